@@ -1,0 +1,162 @@
+# kimik3 Makefile: flat on purpose. Every target has one sentence saying what it is for.
+#
+#   make run             build the command-line program and run the main job on the bundled tiny model
+#   make test            build and run every chapter's tests; the last line is "N passed, N failed"
+#   make test-05         one chapter's tests            make run-05      one chapter's example
+#   make test-scalar     the whole suite with every dispatcher forced to the reference path
+#   make headers         compile each chapter header on its own (chapter N needs only chapters < N)
+#   make examples        build every example            make check-examples   stdout vs stored transcripts
+#   make bench           the benchmarks (never part of make test)
+#   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
+#   make deps            install the three Debian header packages if a header is missing
+#   make clean           remove build/
+#   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
+
+# ---- flags -----------------------------------------------------------------------------------------
+# -std=c++20          std::bit_cast, std::span, designated initialisers.
+# -O2                 optimised but never -Ofast/-ffast-math: those reorder float sums and break the
+#                     numerics contract (chapter 00).
+# -ffp-contract=off   forbid fusing a*b+c into one FMA; the SIMD and reference paths must round the same
+#                     way (the canary test 0.6 fails if this changes).
+# -fopenmp            threads split independent rows/heads/experts (never a reduction).
+# ARCH                -march=native by default (AVX2 on this machine); `make ARCH=-march=x86-64` gives a
+#                     portable SSE2 build that must produce the same bits.
+CXX      ?= g++
+ARCH     ?= -march=native
+WARN     := -Wall -Wextra
+CXXFLAGS := -std=c++20 -O2 $(WARN) -ffp-contract=off -fopenmp $(ARCH) -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\" $(EXTRA)
+LDFLAGS  := -fopenmp $(EXTRA_LD)
+
+# Each compiler / variant builds into its own directory so that g++, clang++, scalar and sanitizer
+# objects never mix.
+VARIANT  ?=
+BUILD    := build/$(notdir $(CXX))$(VARIANT)
+
+# Use every core unless the caller chose a job count (only at the top level: sub-makes share its jobs).
+ifeq ($(MAKELEVEL),0)
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+endif
+endif
+
+CHAPTERS  := $(sort $(wildcard chapters/*.hpp))
+HEADERS   := $(CHAPTERS) kimik3.hpp tests/check.hpp tests/rng.hpp tests/fixture.hpp
+TEST_SRCS := $(sort $(wildcard tests/test_*.cpp))
+TEST_BINS := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRCS))
+EX_SRCS   := $(sort $(wildcard examples/[0-9][0-9]_*.cpp))
+EX_BINS   := $(patsubst examples/%.cpp,$(BUILD)/examples/%,$(EX_SRCS))
+CLI       := $(BUILD)/kimik3
+BENCH     := $(BUILD)/kimik3-bench
+PYTHON    ?= /usr/bin/python3
+
+.PHONY: all run test test-scalar headers examples check-examples bench debug fixtures deps clean
+
+# ---- deps: the three header-only Debian packages --------------------------------------------------
+# Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
+# or through sudo when available), and LLVM's OpenMP runtime when $(CXX) (clang++) cannot link -fopenmp.
+# Every target that compiles depends on it.
+DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp
+deps:
+	@missing=0; for h in $(DEP_HEADERS); do [ -f $$h ] || missing=1; done; \
+	if [ $$missing = 1 ]; then \
+	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev; \
+	fi; \
+	if ! echo 'int main(){}' | $(CXX) -fopenmp -x c++ - -o /dev/null 2>/dev/null; then \
+	  echo "deps: $(CXX) cannot link OpenMP programs: installing libomp-dev"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libomp-dev; \
+	fi
+
+# ---- all: every program -----------------------------------------------------------------------------
+all: deps $(TEST_BINS) $(EX_BINS) $(CLI) $(BENCH)
+
+# ---- the command-line program (examples/kimik3.cpp) -------------------------------------------------
+$(CLI): examples/kimik3.cpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+# ---- run: the README's first command ---------------------------------------------------------------
+# Until the full-model driver exists this runs every example in chapter order.
+run: deps $(EX_BINS)
+	@for ex in $(EX_BINS); do echo "=== $$ex"; $$ex || exit 1; done
+
+# ---- tests -----------------------------------------------------------------------------------------
+# One binary per chapter; tests/main.cpp (doctest's main plus the counting listener) is compiled once.
+$(BUILD)/tests/main.o: tests/main.cpp | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< $(BUILD)/tests/main.o -o $@ $(LDFLAGS)
+
+# test: every chapter's tests plus the fixture freshness check; tests/run.sh prints "N passed, N failed".
+test: deps $(TEST_BINS)
+	@tests/run.sh $(TEST_BINS) tests/fixtures_fresh.sh
+
+# test-NN: one chapter, e.g. make test-05.
+test-%: deps
+	@$(MAKE) --no-print-directory $(filter $(BUILD)/tests/test_$*_%,$(TEST_BINS))
+	@tests/run.sh $(filter $(BUILD)/tests/test_$*_%,$(TEST_BINS))
+
+# test-scalar: the same suite with KIMIK3_SCALAR: every dispatcher runs the reference path.
+test-scalar: deps
+	@$(MAKE) --no-print-directory test VARIANT=-scalar EXTRA=-DKIMIK3_SCALAR
+
+# debug: the suite under ASan + UBSan (-O1 keeps it fast enough; frame pointers for readable traces).
+debug: deps
+	@$(MAKE) --no-print-directory test VARIANT=-debug \
+	  EXTRA="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
+	  EXTRA_LD="-fsanitize=address,undefined"
+
+# ---- headers: each chapter compiles alone ----------------------------------------------------------
+headers: deps
+	@for h in $(CHAPTERS) kimik3.hpp; do \
+	  echo "  header $$h"; \
+	  echo "#include \"$$h\"" | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. - || exit 1; \
+	done
+
+# ---- examples --------------------------------------------------------------------------------------
+$(BUILD)/examples/%: examples/%.cpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+examples: deps $(EX_BINS)
+
+# run-NN: build and run one chapter's example, e.g. make run-05.
+run-%: deps
+	@$(MAKE) --no-print-directory $(filter $(BUILD)/examples/$*_%,$(EX_BINS))
+	@$(filter $(BUILD)/examples/$*_%,$(EX_BINS))
+
+# check-examples: every example's stdout must equal its stored transcript (timings go to stderr).
+check-examples: deps $(EX_BINS)
+	@fail=0; for ex in $(EX_BINS); do \
+	  name=$$(basename $$ex); \
+	  if $$ex 2>/dev/null | diff -u examples/transcripts/$$name.txt - > $(BUILD)/$$name.diff; then \
+	    echo "  ok   $$name"; \
+	  else echo "  DIFF $$name (see $(BUILD)/$$name.diff)"; fail=1; fi; \
+	done; exit $$fail
+
+# ---- bench: measurements, never assertions ---------------------------------------------------------
+$(BENCH): bench/bench.cpp $(wildcard bench/*.hpp) $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+bench: deps $(BENCH)
+	$(BENCH) $(BENCH_ARGS)
+
+# ---- fixtures: regenerate from the PyTorch reference in tools/ -------------------------------------
+# Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in
+# fixtures/generators.sha256, which `make test` checks, so a generator edited without regenerating is
+# caught.
+fixtures:
+	$(PYTHON) tools/make_kernel_fixtures.py --out fixtures/kernels
+	@[ ! -f tools/make_tiny_k3.py ] || $(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
+	@[ ! -f tools/make_tiny_k3_reference.py ] || $(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
+	sha256sum tools/*.py > fixtures/generators.sha256
+
+clean:
+	rm -rf build

@@ -1,0 +1,330 @@
+// kimik3 chapter 00: numerics -- the bit layouts, the rounding rules, and the one way we add numbers up.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Before any weight of Kimi K3 is read we fix how numbers are stored and how they are summed, because
+//   the whole course promises one thing: the engine's output does not depend on the SIMD width, the
+//   thread count or the memory budget. That promise is kept here, once, and every later chapter uses it.
+//   New concepts: float32 and bfloat16 bit layouts, round-to-nearest-even, the 16-lane accumulation with
+//   its fixed pairwise tree `hsum16`, the thin SIMD shim over xsimd, the OpenMP row split, and why the
+//   build forbids fused multiply-add.
+//
+// WHERE THIS SITS IN KIMI K3
+//   Every dense weight of K3 ships as bf16 (2.35 B embedding/head parameters, ~36 B attention
+//   parameters); the routed experts are MXFP4 (chapter 05). Activations in this engine are float32.
+//   A forward pass of the real model performs ~2e11 multiply-adds per token; all of them go through
+//   the accumulation rule below.
+//
+// CONCEPTS (glossary)
+//   f32        IEEE-754 binary32: 1 sign, 8 exponent, 23 mantissa bits.
+//   bf16       "brain float": the top 16 bits of an f32 (1 sign, 8 exponent, 7 mantissa bits). Same range
+//              as f32, 3 decimal digits of precision. bf16 -> f32 is exact (append 16 zero bits).
+//   RNE        round to nearest, ties to even: what f32 -> bf16 does here and what IEEE hardware does.
+//   lane       one of 16 running partial sums. Element i of a reduction is added into lane i % 16.
+//   hsum16     the fixed pairwise tree that adds the 16 lanes at the end (section 0.5).
+//   W          the number of floats in one SIMD register of the chosen architecture (4 or 8 here).
+//   FMA        fused multiply-add a*b+c with ONE rounding. Forbidden in this project: see 0.6.
+//
+// BIT LAYOUTS
+//
+//      f32:  31 30      23 22                                  0
+//           +--+----------+-------------------------------------+
+//           |s | exponent |             mantissa (23)           |     value = (-1)^s 2^(e-127) 1.m
+//           +--+----------+-------------------------------------+
+//      bf16: 15 14       7 6      0
+//           +--+----------+--------+
+//           |s | exponent |mant(7) |     = the upper half of the f32 above
+//           +--+----------+--------+
+//
+//   f32 -> bf16 keeps the upper 16 bits after rounding on the lower 16: add 0x7FFF plus the lowest kept
+//   bit (the "ties to even" bit), then shift. A NaN must not round into Inf (NaN payloads can sit only in
+//   the dropped bits), so NaNs keep their sign and top payload bits and get the quiet bit 0x0040 forced.
+//
+// NUMERICS CONTRACT (the promise the tests hold every chapter to)
+//   1. Every pinned reduction (dot products, sums of squares, softmax denominators, router sums) adds
+//      element i into lane i % 16, lanes start at +0.0f, each addition is `lane = lane + (a * b)`
+//      (multiply rounded, then add rounded), and the 16 lanes are finished by `hsum16`.
+//      Reference code keeps `float acc[16]`; SIMD code keeps 16/W batches whose lanes are a fixed
+//      permutation of the 16 logical lanes. Then the result is the same bits for every W.
+//   2. No FMA anywhere: the build uses -ffp-contract=off and never -ffast-math; the canary test
+//      (test 0.6) fails if a compiler flag lets `a*b+c` fuse.
+//   3. Transcendentals (exp, tanh, sqrt-then-divide) use the scalar functions of section 0.7 in both
+//      the reference and the SIMD path.
+//   4. Threads split independent outputs only (rows, heads, experts): no reduction is split, so any
+//      thread count gives the same bits.
+//   5. f32 -> bf16 is RNE; NaN stays NaN (quiet). bf16 -> f32 is exact. Denormals are kept (we never
+//      set flush-to-zero: E8M0 scale 0 in chapter 05 IS a denormal, 2^-127).
+//   6. SIMD width: the shim picks AVX2 (W = 8), else SSE2/NEON (W = 4). A 512-bit build would need a
+//      different bf16 load (one 16-element chunk is half a register); we cap W at 8 and say so.
+//
+// DIMENSION LEGEND (used in every shape comment of the project)
+//   T tokens   D hidden (7168)   H heads (96)   Dh head dim (128)   C MLA latent (512 + 64)
+//   E experts (896)   K experts per token (16)   F expert FFN width (3072)   L latent MoE width (3584)
+//   V vocab (163840)   P = H * Dh (12288)   I dense FFN width (33792)
+//   A shape comment `// (E, D)` means a row-major buffer of E rows of D elements.
+//
+// USES     <bit>, xsimd 8.1 (only here), OpenMP (optional).
+// RUN      make run-00        (example: bit layouts, RNE cases, lanes and hsum16, the SIMD arch in use)
+// TEST     make test-00       (exhaustive bf16 patterns, RNE against a slow oracle, the FMA canary)
+//
+// SECTIONS
+//   0.1 errors            0.2 bf16 <-> f32            0.3 shape checks          0.4 the SIMD shim
+//   0.5 16-lane sums      0.6 the FMA canary          0.7 scalar transcendentals 0.8 threads
+// ====================================================================================================
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <xsimd/xsimd.hpp>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 0.1 Errors
+// ---------------------------------------------------------------------------------------------------
+// One exception type for the whole project. The message always names what was wrong (file, tensor,
+// field, value); `kind` lets the command-line driver map it to an exit code without parsing text.
+enum class ErrorKind {
+    usage,     // a bad argument or a shape that breaks a kernel's contract (exit code 2)
+    format,    // a file or config that is malformed or refused (exit code 2)
+    io,        // a read/write that failed: short read, EIO, missing file (exit code 4 for weights)
+    budget,    // a memory budget below the floor (exit code 3)
+    runtime,   // anything else that went wrong while computing (exit code 1)
+};
+
+struct Error : std::runtime_error {
+    ErrorKind kind;
+    Error(ErrorKind k, const std::string& what) : std::runtime_error(what), kind(k) {}
+};
+
+[[noreturn]] inline void fail(ErrorKind kind, const std::string& what) { throw Error(kind, what); }
+
+// ---------------------------------------------------------------------------------------------------
+// 0.2 bf16 <-> f32
+// ---------------------------------------------------------------------------------------------------
+// bf16 values travel as raw uint16_t bit patterns: there is no arithmetic on bf16 in this engine,
+// only exact widening to f32 (weights) and rounding from f32 (when we write bf16 files or compare).
+using bf16 = std::uint16_t;
+
+// Exact: the bf16 pattern becomes the upper half of an f32, the lower 16 bits are zero.
+inline float bf16_to_f32(bf16 b) { return std::bit_cast<float>(std::uint32_t(b) << 16); }
+
+// Round to nearest, ties to even. Worked example: 1 + 2^-8 is exactly halfway between the bf16
+// neighbours 1.0 (mantissa ...0, even) and 1 + 2^-7 (mantissa ...1): bits 0x3F808000; lower half 0x8000,
+// kept lowest bit 0, so 0x3F808000 + 0x7FFF + 0 = 0x3F80FFFF -> 0x3F80 = 1.0 (the even one).
+inline bf16 f32_to_bf16(float f) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)                        // NaN: keep sign and top payload,
+        return bf16((u >> 16) | 0x0040u);                        // force quiet so it stays NaN
+    const std::uint32_t lsb = (u >> 16) & 1u;                    // the bit that decides ties
+    return bf16((u + 0x7FFFu + lsb) >> 16);                      // may carry into Inf: correct RNE
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 0.3 Shape checks
+// ---------------------------------------------------------------------------------------------------
+// Kernels require their reduction length to be a multiple of 16 (32 for MXFP4). There are no silent
+// tail paths: a width that breaks the contract is refused at the entry with the function's name.
+inline void require_multiple(const char* where, const char* what, std::size_t value, std::size_t m) {
+    if (value % m != 0)
+        fail(ErrorKind::usage, std::string(where) + ": " + what + " = " + std::to_string(value) +
+                                   " is not a multiple of " + std::to_string(m));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 0.4 The SIMD shim: the few xsimd operations the project uses, and nothing else includes xsimd
+// ---------------------------------------------------------------------------------------------------
+// Why a shim: xsimd 8.1 (Debian's) has traps for an exact engine. `xsimd::fma` is fused on AVX2 and
+// on scalar targets but not on AVX-512 under -ffp-contract=off; `xsimd::hadd` reduces in a different
+// tree on each architecture; there is no dynamic table lookup. Routing every use through these few
+// names makes it obvious that none of those appear.
+//
+// KIMIK3_SCALAR does not change the shim (the _simd functions still compile so tests can compare them);
+// it makes every dispatcher pick the _ref function (see `use_simd`).
+namespace simd {
+
+#if XSIMD_WITH_AVX2
+using arch = xsimd::avx2;      // 8 floats per register
+#elif XSIMD_WITH_SSE2
+using arch = xsimd::sse2;      // 4 floats per register
+#elif XSIMD_WITH_NEON64
+using arch = xsimd::neon64;    // 4 floats per register
+#else
+#error "kimik3 needs SSE2, AVX2 or NEON64 for its SIMD path (x86-64 and arm64 have them)"
+#endif
+
+using f32 = xsimd::batch<float, arch>;            // W floats
+using u32 = xsimd::batch<std::uint32_t, arch>;    // W 32-bit unsigned integers
+inline constexpr int W = int(f32::size);
+static_assert(W == 4 || W == 8, "the 16-lane contract is implemented for 4- and 8-wide registers");
+inline constexpr int kBatchesPer16 = 16 / W;      // batches that hold the 16 logical lanes
+
+inline const char* arch_name() { return arch::name(); }
+
+// Loads and stores. Unaligned everywhere: aligned loads buy nothing measurable on current cores and
+// would put an alignment precondition on every caller.
+inline f32 load(const float* p) { return f32::load_unaligned(p); }
+inline u32 load_u32(const void* p) { return u32::load_unaligned(static_cast<const std::uint32_t*>(p)); }
+inline void store(float* p, f32 v) { v.store_unaligned(p); }
+inline f32 splat(float v) { return f32(v); }
+inline u32 splat_u32(std::uint32_t v) { return u32(v); }
+
+// Reinterpret the bits of a batch (no conversion), as std::bit_cast does for one value.
+inline f32 as_f32(u32 v) { return xsimd::bitwise_cast<f32>(v); }
+inline u32 as_u32(f32 v) { return xsimd::bitwise_cast<u32>(v); }
+
+// Arithmetic comes from xsimd's operators: +, -, * on f32; &, |, ^, <<, >> on u32. Each is one IEEE
+// operation per lane with its own rounding, exactly like the scalar code.
+
+}  // namespace simd
+
+// Fully unroll a short loop with a compile-time trip count, so that arrays of SIMD registers indexed by
+// its counter stay in registers (both g++ and clang++ honour this pragma). A speed hint, never a
+// change of order: the loop body runs in the same sequence either way.
+#define KIMIK3_UNROLL _Pragma("GCC unroll 16")
+
+// Every dispatcher calls this: true unless the build forces the reference path.
+#ifdef KIMIK3_SCALAR
+inline constexpr bool use_simd = false;
+#else
+inline constexpr bool use_simd = true;
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// 0.5 The 16-lane accumulation and hsum16
+// ---------------------------------------------------------------------------------------------------
+// Why 16 lanes: the result of a float sum depends on the order of additions. If the order followed the
+// register width, an AVX2 build and an SSE build would give different bits. Fixing the order to "16
+// interleaved partial sums, then one tree" makes it a property of the program, not of the machine:
+// 16 is a multiple of every width we run (4, 8) and wide enough to keep the adders busy.
+inline constexpr int kLanes = 16;
+
+// The tree, fixed once. Pairs lane i with lane i+8, then i+4, i+2, i+1 (the natural halving order of a
+// register, so SIMD code could do it in registers; we do it in scalar code from a stored float[16],
+// which costs 15 additions per output and keeps one definition):
+//
+//   a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 a10 a11 a12 a13 a14 a15
+//   s8[i]  = a[i] + a[i+8]          (8 sums)
+//   s4[i]  = s8[i] + s8[i+4]        (4 sums)
+//   s2[i]  = s4[i] + s4[i+2]        (2 sums)
+//   result = s2[0] + s2[1]
+inline float hsum16(const float a[kLanes]) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    const float s2_0 = s4[0] + s4[2];
+    const float s2_1 = s4[1] + s4[3];
+    return s2_0 + s2_1;
+}
+
+// The canonical dot product, reference form: element i into lane i % 16. n must be a multiple of 16.
+inline float dot_ref(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
+    require_multiple("dot_ref", "n", n, kLanes);
+    float acc[kLanes] = {};
+    for (std::size_t i = 0; i < n; ++i) acc[i % kLanes] = acc[i % kLanes] + a[i] * b[i];
+    return hsum16(acc);
+}
+
+// SIMD form. Bit-identical to dot_ref: batch j holds logical lanes j*W .. j*W+W-1, and every lane
+// receives the same products in the same order. The one structural difference: the 16 partial sums
+// live in 16/W registers instead of an array.
+inline float dot_simd(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
+    require_multiple("dot_simd", "n", n, kLanes);
+    simd::f32 acc[simd::kBatchesPer16];
+    for (auto& v : acc) v = simd::splat(0.0f);
+    for (std::size_t i = 0; i < n; i += kLanes)
+        for (int j = 0; j < simd::kBatchesPer16; ++j)
+            acc[j] = acc[j] + simd::load(a + i + j * simd::W) * simd::load(b + i + j * simd::W);
+    float lanes[kLanes];
+    for (int j = 0; j < simd::kBatchesPer16; ++j) simd::store(lanes + j * simd::W, acc[j]);
+    return hsum16(lanes);
+}
+
+inline float dot(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
+    return use_simd ? dot_simd(a, b, n) : dot_ref(a, b, n);
+}
+
+// Sum of squares: the same lanes, the product is x*x.
+inline float sum_squares_ref(const float* x, std::size_t n) { return dot_ref(x, x, n); }    // x (n)
+inline float sum_squares_simd(const float* x, std::size_t n) { return dot_simd(x, x, n); }  // x (n)
+inline float sum_squares(const float* x, std::size_t n) { return dot(x, x, n); }            // x (n)
+
+// ---------------------------------------------------------------------------------------------------
+// 0.6 The FMA canary
+// ---------------------------------------------------------------------------------------------------
+// Worked by hand: (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24. Near 1.0 an f32 has a spacing of 2^-23, so the
+// exact square sits exactly halfway between 1 + 2^-11 and its upper neighbour; ties go to the even
+// mantissa, which is 1 + 2^-11. Hence, with c = 1 + 2^-11:
+//     unfused (round a*a, then subtract):   (1 + 2^-11) - c  = 0            <- what this project computes
+//     fused   (one rounding of a*a - c):    2^-24                           <- what FMA contraction gives
+// STYLE.md words the canary as "must be exactly 2^-24 computed unfused"; 2^-24 is in fact the FUSED
+// value, so the test asserts 0 and names 2^-24 as the failure it guards against. `volatile` stops the
+// compiler from folding the constants at compile time, which would hide the flag's effect.
+inline float fma_canary() {
+    volatile float a = 1.0f + 0x1p-12f;
+    volatile float c = 1.0f + 0x1p-11f;
+    const float x = a, y = c;
+    return x * x - y;  // unfused: 0.0f; if the compiler contracts this into an FMA: 2^-24
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 0.7 Scalar transcendentals (the same function in the reference and the SIMD paths)
+// ---------------------------------------------------------------------------------------------------
+// These are O(D) per token, far from the hot path, so both paths call these scalar functions: then
+// their bits cannot differ between paths. std::exp/std::tanh come from the C library (glibc here).
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x * sigmoid(x); }
+
+// ---------------------------------------------------------------------------------------------------
+// 0.8 Threads: the row split
+// ---------------------------------------------------------------------------------------------------
+// Threads only ever split independent outputs. `parallel_rows(n, work_per_row, f)` calls
+// f(begin, end) on contiguous row ranges, one per thread, and runs single-threaded when the whole job is
+// too small to repay waking the thread team (~64k multiply-adds). Which thread computes a row never
+// changes that row's bits, so the split can be anything; a static, contiguous one is simplest.
+inline int max_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+inline void set_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+template <class F>
+void parallel_rows(std::size_t n_rows, std::size_t work_per_row, F&& f) {
+    const std::size_t kMinWork = std::size_t(1) << 16;
+    if (n_rows == 0) return;
+    if (max_threads() == 1 || n_rows * work_per_row < kMinWork || n_rows < 2) {
+        f(std::size_t(0), n_rows);
+        return;
+    }
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
+#else
+        const std::size_t t = 0, nt = 1;
+#endif
+        const std::size_t begin = n_rows * t / nt, end = n_rows * (t + 1) / nt;
+        if (begin < end) f(begin, end);
+    }
+}
+
+}  // namespace kimik3

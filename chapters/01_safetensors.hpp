@@ -1,0 +1,716 @@
+// kimik3 chapter 01: safetensors -- reading a checkpoint without trusting it.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Kimi K3 ships as 96 files in the safetensors format. This chapter reads that format from first
+//   principles: a length, a JSON table of contents, raw bytes. New since chapter 00: files, the header
+//   schema, dtypes, validating a header before any byte of data is believed, multi-shard checkpoints,
+//   `pread` into aligned buffers, and an `mmap` view. It also writes the format (tests and tools craft
+//   files with it).
+//
+// WHERE THIS SITS IN KIMI K3
+//   The release is 1.56 TB in 96 shards `model-000NN-of-000096.safetensors` plus
+//   `model.safetensors.index.json` (tensor name -> shard file). The largest tensors are the embedding
+//   and lm_head, [163840, 7168] BF16 = 2.35 GB each; the most numerous are the routed experts,
+//   82,432 experts x 6 tensors (U8). Routed experts are never loaded whole: chapter 11 reads one expert
+//   (17,547,264 bytes) with one pread at the offset this chapter computes.
+//
+// CONCEPTS
+//   header length   the first 8 bytes, a little-endian u64 N: the size of the JSON header that follows.
+//   header          N bytes of UTF-8 JSON: {"name": {"dtype": "BF16", "shape": [r, c],
+//                   "data_offsets": [begin, end]}, ..., "__metadata__": {"k": "v"}}. Writers pad it
+//                   with spaces to a multiple of 8 so the data section starts 8-aligned.
+//   data section    everything after the header. `data_offsets` are relative to its first byte;
+//                   `end` is one past the last byte.
+//   shard / index   a large checkpoint is several files; `model.safetensors.index.json` has a
+//                   "weight_map" from every tensor name to the file that holds it.
+//
+// FILE LAYOUT
+//
+//     byte 0        8             8+N                                             file size
+//     +-------------+--------------+-----------------------------------------------+
+//     | N (u64 LE)  | JSON header  | data: tensor bytes, little-endian, row-major   |
+//     +-------------+--------------+-----------------------------------------------+
+//                                  ^ offset 0 of every data_offsets pair
+//
+//   A tensor "w" with {"dtype":"BF16","shape":[2,3],"data_offsets":[16,28]} occupies file bytes
+//   [8+N+16, 8+N+28): 2*3 elements * 2 bytes = 12 bytes, element (i, j) at byte 2*(3i + j).
+//
+// CONTRACT (what is validated before any data is trusted; each failure names file, tensor and field)
+//   1. the file holds at least 8 bytes; 2 <= N <= 100,000,000 (the reference implementation's cap)
+//      and 8 + N <= file size;
+//   2. the header is valid JSON, an object, and starts with '{'; no tensor name appears twice;
+//   3. `__metadata__`, if present, maps strings to strings;
+//   4. every tensor has a known `dtype` (BF16 F16 F32 F64 U8 I8 I16 I32 I64 BOOL), a `shape` of at most
+//      8 non-negative integers whose product times the dtype size does not overflow 64 bits, and
+//      `data_offsets` [begin, end] with begin <= end <= data size and end - begin == bytes needed;
+//   5. no two tensors' byte ranges overlap (gaps are allowed: nothing we read depends on them);
+//   6. an index maps every name to a shard that exists and whose header holds that name.
+//   Reads are exact: a short read or an I/O error is an Error naming the file, offset and size, never
+//   a partially filled buffer.
+//
+// USES     chapter 00 (Error), nlohmann/json, POSIX open/pread/mmap.
+// RUN      make run-01    (lists the tensors of a file or checkpoint; default: a bundled fixture)
+// TEST     make test-01   (a crafted corpus of broken files, each with its asserted error)
+//
+// SECTIONS
+//   1.1 dtypes         1.2 aligned buffers and exact reads     1.3 the header and its validation
+//   1.4 one file       1.5 typed views                          1.6 multi-shard checkpoints
+//   1.7 writing a file
+// ====================================================================================================
+#pragma once
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "00_numerics.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 1.1 dtypes
+// ---------------------------------------------------------------------------------------------------
+enum class DType : std::uint8_t { BF16, F16, F32, F64, U8, I8, I16, I32, I64, BOOL };
+
+struct DTypeInfo {
+    DType dtype;
+    const char* name;      // as written in the header
+    std::size_t size;      // bytes per element
+};
+
+inline constexpr std::array<DTypeInfo, 10> kDTypes = {{
+    {DType::BF16, "BF16", 2}, {DType::F16, "F16", 2}, {DType::F32, "F32", 4}, {DType::F64, "F64", 8},
+    {DType::U8, "U8", 1},     {DType::I8, "I8", 1},   {DType::I16, "I16", 2}, {DType::I32, "I32", 4},
+    {DType::I64, "I64", 8},   {DType::BOOL, "BOOL", 1},
+}};
+
+inline const DTypeInfo& dtype_info(DType d) { return kDTypes[std::size_t(d)]; }
+inline const char* dtype_name(DType d) { return dtype_info(d).name; }
+inline std::size_t dtype_size(DType d) { return dtype_info(d).size; }
+
+inline bool parse_dtype(std::string_view s, DType& out) {
+    for (const auto& d : kDTypes)
+        if (s == d.name) return out = d.dtype, true;
+    return false;
+}
+
+// F16 (IEEE half) -> f32, exact. 1 sign, 5 exponent (bias 15), 10 mantissa bits.
+inline float f16_to_f32(std::uint16_t h) {
+    const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+    const std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (mant << 13));  // Inf / NaN
+    if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+    const float sub = float(mant) * 0x1p-24f;  // subnormal: mant * 2^-24, exact in f32
+    return sign ? -sub : sub;
+}
+
+// A tensor shape: at most 8 dimensions, stored inline (the K3 header holds ~500,000 tensors; a heap
+// vector per shape would cost tens of MB for nothing).
+struct Shape {
+    static constexpr int kMaxRank = 8;
+    std::array<std::int64_t, kMaxRank> dims{};
+    int rank = 0;
+
+    Shape() = default;
+    Shape(std::initializer_list<std::int64_t> d) {
+        for (auto x : d) dims[std::size_t(rank++)] = x;
+    }
+    std::int64_t operator[](int i) const { return dims[std::size_t(i)]; }
+    std::int64_t numel() const {
+        std::int64_t n = 1;
+        for (int i = 0; i < rank; ++i) n *= dims[std::size_t(i)];
+        return n;
+    }
+    bool operator==(const Shape& o) const {
+        return rank == o.rank && std::equal(dims.begin(), dims.begin() + rank, o.dims.begin());
+    }
+    std::string str() const {
+        std::string s = "[";
+        for (int i = 0; i < rank; ++i) s += (i ? ", " : "") + std::to_string(dims[std::size_t(i)]);
+        return s + "]";
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 1.2 Aligned buffers and exact reads
+// ---------------------------------------------------------------------------------------------------
+// Buffers are 4096-aligned and sized up to a multiple of 4096: what O_DIRECT reads need (chapter 11),
+// and harmless otherwise.
+inline constexpr std::size_t kPageAlign = 4096;
+
+inline std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+class AlignedBuffer {
+  public:
+    AlignedBuffer() = default;
+    explicit AlignedBuffer(std::size_t n) { resize(n); }
+    void resize(std::size_t n) {
+        const std::size_t cap = round_up(std::max<std::size_t>(n, 1), kPageAlign);
+        if (cap > capacity_) {
+            void* p = std::aligned_alloc(kPageAlign, cap);
+            if (!p) fail(ErrorKind::runtime, "out of memory allocating " + std::to_string(cap) + " bytes");
+            ptr_.reset(static_cast<std::byte*>(p));
+            capacity_ = cap;
+        }
+        size_ = n;
+    }
+    std::byte* data() { return ptr_.get(); }
+    const std::byte* data() const { return ptr_.get(); }
+    std::size_t size() const { return size_; }
+    std::size_t capacity() const { return capacity_; }
+    template <class T> T* as() { return reinterpret_cast<T*>(ptr_.get()); }
+    template <class T> const T* as() const { return reinterpret_cast<const T*>(ptr_.get()); }
+
+  private:
+    struct Free {
+        void operator()(std::byte* p) const { std::free(p); }
+    };
+    std::unique_ptr<std::byte, Free> ptr_;
+    std::size_t size_ = 0, capacity_ = 0;
+};
+
+// An owned file descriptor.
+class Fd {
+  public:
+    Fd() = default;
+    explicit Fd(int fd) : fd_(fd) {}
+    Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+    Fd& operator=(Fd&& o) noexcept {
+        if (this != &o) reset(), fd_ = o.fd_, o.fd_ = -1;
+        return *this;
+    }
+    Fd(const Fd&) = delete;
+    Fd& operator=(const Fd&) = delete;
+    ~Fd() { reset(); }
+    void reset() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+    int get() const { return fd_; }
+
+  private:
+    int fd_ = -1;
+};
+
+inline std::string errno_text(int e) { return std::string(std::strerror(e)); }
+
+inline Fd open_read(const std::string& path, int extra_flags = 0) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra_flags);
+    if (fd < 0) fail(ErrorKind::io, path + ": cannot open: " + errno_text(errno));
+    return Fd(fd);
+}
+
+inline std::uint64_t file_size(int fd, const std::string& path) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) fail(ErrorKind::io, path + ": cannot stat: " + errno_text(errno));
+    return std::uint64_t(st.st_size);
+}
+
+namespace detail {
+// The one place every weight read goes through. Tests replace it to inject faults (a short read, EIO)
+// and check that they surface as errors, never as weights.
+using PreadFn = ssize_t (*)(int fd, void* buf, std::size_t n, off_t offset);
+inline PreadFn pread_hook = ::pread;
+}  // namespace detail
+
+// Reads exactly n bytes at `offset`, retrying on EINTR and on partial reads; reaching end of file
+// early or any other error throws, naming the file, offset and size.
+inline void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t offset, const std::string& path) {
+    auto* p = static_cast<std::byte*>(dst);
+    std::size_t done = 0;
+    while (done < n) {
+        // Clamp each call to 1 GiB: some systems (Darwin) reject larger requests.
+        const std::size_t want = std::min<std::size_t>(n - done, std::size_t(1) << 30);
+        const ssize_t got = detail::pread_hook(fd, p + done, want, off_t(offset + done));
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            fail(ErrorKind::io, path + ": read of " + std::to_string(n) + " bytes at offset " +
+                                    std::to_string(offset) + " failed: " + errno_text(errno));
+        }
+        if (got == 0)
+            fail(ErrorKind::io, path + ": unexpected end of file: read of " + std::to_string(n) +
+                                    " bytes at offset " + std::to_string(offset) + " got only " +
+                                    std::to_string(done));
+        done += std::size_t(got);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 1.3 The header and its validation
+// ---------------------------------------------------------------------------------------------------
+struct TensorInfo {
+    std::string name;
+    DType dtype = DType::U8;
+    Shape shape;
+    std::uint64_t begin = 0, end = 0;   // [begin, end) relative to the data section
+    std::uint64_t file_offset = 0;      // absolute: 8 + N + begin
+    std::uint64_t nbytes() const { return end - begin; }
+    std::int64_t numel() const { return shape.numel(); }
+};
+
+inline constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct Header {
+    std::vector<TensorInfo> tensors;               // in data-offset order
+    std::map<std::string, std::string> metadata;   // __metadata__
+    std::uint64_t header_bytes = 0;                // N
+    std::uint64_t data_start = 0;                  // 8 + N
+};
+
+// Parses and validates the JSON header of `path` (only for messages) whose data section holds
+// `data_size` bytes. Nothing here touches the data.
+inline Header parse_header(const std::string& text, const std::string& path, std::uint64_t data_size) {
+    using nlohmann::json;
+    auto bad = [&](const std::string& what) { fail(ErrorKind::format, path + ": " + what); };
+    auto bad_field = [&](const std::string& tensor, const char* field, const std::string& what) {
+        fail(ErrorKind::format, path + ": tensor '" + tensor + "': field '" + field + "': " + what);
+    };
+    if (text.empty() || text[0] != '{') bad("header does not start with '{'");
+
+    // nlohmann keeps the last of two equal keys silently; a parser callback sees every top-level key
+    // and lets us refuse the duplicate instead.
+    std::set<std::string> seen;
+    std::string duplicate;
+    json h;
+    try {
+        h = json::parse(text, [&](int depth, json::parse_event_t ev, json& parsed) {
+            if (ev == json::parse_event_t::key && depth == 1) {
+                const std::string& k = parsed.get_ref<const std::string&>();
+                if (!seen.insert(k).second && duplicate.empty()) duplicate = k;
+            }
+            return true;
+        });
+    } catch (const json::parse_error& e) {
+        bad("header is not valid JSON (byte " + std::to_string(e.byte) + "): " + e.what());
+    }
+    if (!duplicate.empty()) bad("tensor '" + duplicate + "' appears twice in the header");
+    if (!h.is_object()) bad("header is not a JSON object");
+
+    Header out;
+    for (auto it = h.begin(); it != h.end(); ++it) {
+        const std::string& name = it.key();
+        const json& v = it.value();
+        if (name == "__metadata__") {
+            if (!v.is_object()) bad("'__metadata__' is not an object");
+            for (auto m = v.begin(); m != v.end(); ++m) {
+                if (!m.value().is_string()) bad("'__metadata__' value of '" + m.key() + "' is not a string");
+                out.metadata[m.key()] = m.value().get<std::string>();
+            }
+            continue;
+        }
+        if (!v.is_object()) bad("tensor '" + name + "': entry is not an object");
+        TensorInfo t;
+        t.name = name;
+        // dtype
+        if (!v.contains("dtype") || !v["dtype"].is_string()) bad_field(name, "dtype", "missing or not a string");
+        const std::string ds = v["dtype"].get<std::string>();
+        if (!parse_dtype(ds, t.dtype))
+            bad_field(name, "dtype", "unknown dtype \"" + ds + "\" (known: BF16 F16 F32 F64 U8 I8 I16 I32 I64 BOOL)");
+        // shape
+        if (!v.contains("shape") || !v["shape"].is_array()) bad_field(name, "shape", "missing or not an array");
+        const json& sh = v["shape"];
+        if (sh.size() > std::size_t(Shape::kMaxRank))
+            bad_field(name, "shape", "rank " + std::to_string(sh.size()) + " is more than 8");
+        std::uint64_t numel = 1;
+        for (const json& d : sh) {
+            if (!d.is_number_integer()) bad_field(name, "shape", "dimension " + d.dump() + " is not an integer");
+            if (d.is_number_integer() && !d.is_number_unsigned() && d.get<std::int64_t>() < 0)
+                bad_field(name, "shape", "dimension " + d.dump() + " is negative");
+            const std::uint64_t x = d.get<std::uint64_t>();
+            if (x > std::uint64_t(INT64_MAX) || __builtin_mul_overflow(numel, x, &numel))
+                bad_field(name, "shape", sh.dump() + " overflows a 64-bit element count");
+            t.shape.dims[std::size_t(t.shape.rank++)] = std::int64_t(x);
+        }
+        std::uint64_t need = 0;
+        if (__builtin_mul_overflow(numel, std::uint64_t(dtype_size(t.dtype)), &need))
+            bad_field(name, "shape", sh.dump() + " of " + ds + " overflows a 64-bit byte count");
+        // data_offsets
+        if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+            bad_field(name, "data_offsets", "missing or not a pair [begin, end]");
+        const json& off = v["data_offsets"];
+        for (const json& o : off)
+            if (!o.is_number_unsigned()) bad_field(name, "data_offsets", off.dump() + " is not two non-negative integers");
+        t.begin = off[0].get<std::uint64_t>();
+        t.end = off[1].get<std::uint64_t>();
+        if (t.begin > t.end) bad_field(name, "data_offsets", off.dump() + " has begin > end");
+        if (t.end > data_size)
+            bad_field(name, "data_offsets", off.dump() + " ends past the data section (" + std::to_string(data_size) +
+                                                 " bytes): the file is truncated or the offsets are wrong");
+        if (t.end - t.begin != need)
+            bad_field(name, "data_offsets", off.dump() + " holds " + std::to_string(t.end - t.begin) +
+                                                 " bytes but shape " + sh.dump() + " of " + ds + " needs " +
+                                                 std::to_string(need));
+        out.tensors.push_back(std::move(t));
+    }
+    // No overlaps: sorted by begin, each non-empty range must start at or after the previous end.
+    std::sort(out.tensors.begin(), out.tensors.end(),
+              [](const TensorInfo& a, const TensorInfo& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+    const TensorInfo* prev = nullptr;
+    for (const TensorInfo& t : out.tensors) {
+        if (t.begin == t.end) continue;  // empty tensors occupy no bytes
+        if (prev && t.begin < prev->end)
+            bad_field(t.name, "data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                                                  "] overlaps tensor '" + prev->name + "' [" + std::to_string(prev->begin) +
+                                                  ", " + std::to_string(prev->end) + "]");
+        prev = &t;
+    }
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 1.4 One file
+// ---------------------------------------------------------------------------------------------------
+// A tensor read into memory: its description plus an aligned copy of its bytes.
+struct Tensor {
+    TensorInfo info;
+    AlignedBuffer bytes;
+};
+
+class SafetensorsFile {
+  public:
+    SafetensorsFile(const SafetensorsFile&) = delete;             // index_ holds views into header_
+    SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+    explicit SafetensorsFile(std::string path) : path_(std::move(path)) {
+        fd_ = open_read(path_);
+        size_ = file_size(fd_.get(), path_);
+        if (size_ < 8) fail(ErrorKind::format, path_ + ": file is " + std::to_string(size_) + " bytes, shorter than the 8-byte header length");
+        unsigned char le[8];
+        pread_exact(fd_.get(), le, 8, 0, path_);
+        std::uint64_t n = 0;
+        for (int i = 7; i >= 0; --i) n = n << 8 | le[i];  // little-endian regardless of the host
+        if (n < 2 || n > kMaxHeaderBytes)
+            fail(ErrorKind::format, path_ + ": header length " + std::to_string(n) + " is outside [2, 100000000]");
+        if (n > size_ - 8)
+            fail(ErrorKind::format, path_ + ": header length " + std::to_string(n) + " runs past the end of the file (" +
+                                        std::to_string(size_) + " bytes)");
+        std::string text(std::size_t(n), '\0');
+        pread_exact(fd_.get(), text.data(), std::size_t(n), 8, path_);
+        header_ = parse_header(text, path_, size_ - 8 - n);
+        header_.header_bytes = n;
+        header_.data_start = 8 + n;
+        for (std::size_t i = 0; i < header_.tensors.size(); ++i) {
+            TensorInfo& t = header_.tensors[i];
+            t.file_offset = header_.data_start + t.begin;
+        }
+        for (std::size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
+    }
+
+    const std::string& path() const { return path_; }
+    int fd() const { return fd_.get(); }
+    std::uint64_t size() const { return size_; }
+    const Header& header() const { return header_; }
+    const std::vector<TensorInfo>& tensors() const { return header_.tensors; }
+    const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+
+    const TensorInfo* find(std::string_view name) const {
+        auto it = index_.find(name);
+        return it == index_.end() ? nullptr : &header_.tensors[it->second];
+    }
+    const TensorInfo& get(std::string_view name) const {
+        if (const TensorInfo* t = find(name)) return *t;
+        fail(ErrorKind::format, path_ + ": no tensor '" + std::string(name) + "'");
+    }
+
+    // Copies a tensor's bytes into dst (nbytes of it).
+    void read_into(const TensorInfo& t, void* dst) const { pread_exact(fd_.get(), dst, t.nbytes(), t.file_offset, path_); }
+
+    Tensor read(std::string_view name) const {
+        const TensorInfo& t = get(name);
+        Tensor out{t, AlignedBuffer(t.nbytes())};
+        read_into(t, out.bytes.data());
+        return out;
+    }
+
+  private:
+    std::string path_;
+    Fd fd_;
+    std::uint64_t size_ = 0;
+    Header header_;
+    std::unordered_map<std::string_view, std::size_t> index_;  // views into header_.tensors' names
+};
+
+// A read-only memory map of a whole file: tensors become spans without copying. The kernel pages data
+// in on first touch, so this is how the examples browse a large file; the engine's weight reads use
+// pread (chapter 11 explains why: control over when I/O happens and how much memory it takes).
+class MappedFile {
+  public:
+    explicit MappedFile(const SafetensorsFile& f) : path_(f.path()), size_(f.size()) {
+        void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, f.fd(), 0);
+        if (p == MAP_FAILED) fail(ErrorKind::io, path_ + ": mmap failed: " + errno_text(errno));
+        base_ = static_cast<const std::byte*>(p);
+    }
+    MappedFile(const MappedFile&) = delete;
+    MappedFile& operator=(const MappedFile&) = delete;
+    ~MappedFile() { ::munmap(const_cast<std::byte*>(base_), size_); }
+    std::span<const std::byte> bytes(const TensorInfo& t) const { return {base_ + t.file_offset, std::size_t(t.nbytes())}; }
+
+  private:
+    std::string path_;
+    std::uint64_t size_;
+    const std::byte* base_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 1.5 Typed views
+// ---------------------------------------------------------------------------------------------------
+// Which C++ element type may view which dtype. bf16 and f16 are both raw uint16_t patterns, so a view
+// must also name the dtype it expects; a mismatch is an error naming the tensor.
+template <class T> constexpr bool dtype_matches(DType d) {
+    if constexpr (std::is_same_v<T, float>) return d == DType::F32;
+    else if constexpr (std::is_same_v<T, double>) return d == DType::F64;
+    else if constexpr (std::is_same_v<T, std::uint16_t>) return d == DType::BF16 || d == DType::F16;
+    else if constexpr (std::is_same_v<T, std::uint8_t>) return d == DType::U8 || d == DType::BOOL;
+    else if constexpr (std::is_same_v<T, std::int8_t>) return d == DType::I8;
+    else if constexpr (std::is_same_v<T, std::int16_t>) return d == DType::I16;
+    else if constexpr (std::is_same_v<T, std::int32_t>) return d == DType::I32;
+    else if constexpr (std::is_same_v<T, std::int64_t>) return d == DType::I64;
+    else return false;
+}
+
+template <class T> struct View {
+    const T* data = nullptr;
+    Shape shape;
+    std::size_t size() const { return std::size_t(shape.numel()); }
+    std::span<const T> span() const { return {data, size()}; }
+    const T* row(std::int64_t r) const { return data + r * (shape.numel() / std::max<std::int64_t>(shape[0], 1)); }
+};
+
+template <class T> View<T> view_as(const TensorInfo& t, const void* bytes, DType expect) {
+    if (t.dtype != expect || !dtype_matches<T>(expect))
+        fail(ErrorKind::format, "tensor '" + t.name + "': expected dtype " + dtype_name(expect) + ", found " + dtype_name(t.dtype));
+    return View<T>{static_cast<const T*>(bytes), t.shape};
+}
+template <class T> View<T> view_as(const Tensor& t, DType expect) { return view_as<T>(t.info, t.bytes.data(), expect); }
+
+// Any floating-point tensor widened to f32: BF16/F16 exactly, F32 as is, F64 rounded to nearest.
+inline std::vector<float> to_f32(const Tensor& t) {
+    const std::size_t n = std::size_t(t.info.numel());
+    std::vector<float> out(n);
+    const std::byte* p = t.bytes.data();
+    switch (t.info.dtype) {
+        case DType::BF16:
+            for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(reinterpret_cast<const std::uint16_t*>(p)[i]);
+            break;
+        case DType::F16:
+            for (std::size_t i = 0; i < n; ++i) out[i] = f16_to_f32(reinterpret_cast<const std::uint16_t*>(p)[i]);
+            break;
+        case DType::F32: std::memcpy(out.data(), p, n * 4); break;
+        case DType::F64:
+            for (std::size_t i = 0; i < n; ++i) out[i] = float(reinterpret_cast<const double*>(p)[i]);
+            break;
+        default:
+            fail(ErrorKind::format, "tensor '" + t.info.name + "': dtype " + dtype_name(t.info.dtype) + " is not a float type");
+    }
+    return out;
+}
+
+// Any integer tensor widened to int64 (token ids, expert ids).
+inline std::vector<std::int64_t> to_i64(const Tensor& t) {
+    const std::size_t n = std::size_t(t.info.numel());
+    std::vector<std::int64_t> out(n);
+    const std::byte* p = t.bytes.data();
+    for (std::size_t i = 0; i < n; ++i) switch (t.info.dtype) {
+            case DType::I64: out[i] = reinterpret_cast<const std::int64_t*>(p)[i]; break;
+            case DType::I32: out[i] = reinterpret_cast<const std::int32_t*>(p)[i]; break;
+            case DType::I16: out[i] = reinterpret_cast<const std::int16_t*>(p)[i]; break;
+            case DType::I8: out[i] = reinterpret_cast<const std::int8_t*>(p)[i]; break;
+            case DType::U8:
+            case DType::BOOL: out[i] = reinterpret_cast<const std::uint8_t*>(p)[i]; break;
+            default:
+                fail(ErrorKind::format, "tensor '" + t.info.name + "': dtype " + dtype_name(t.info.dtype) + " is not an integer type");
+        }
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 1.6 Multi-shard checkpoints
+// ---------------------------------------------------------------------------------------------------
+// A directory with `model.safetensors.index.json` (the release) or a single `model.safetensors`.
+// Each shard is opened and validated once; every tensor is then found by name in O(1).
+class Checkpoint {
+  public:
+    struct Ref {
+        const SafetensorsFile* file;
+        const TensorInfo* info;
+    };
+
+    explicit Checkpoint(const std::string& dir) : dir_(dir) {
+        namespace fs = std::filesystem;
+        const std::string index_path = dir + "/model.safetensors.index.json";
+        if (fs::exists(index_path)) {
+            load_index(index_path);
+        } else if (fs::exists(dir + "/model.safetensors")) {
+            shards_.push_back(std::make_unique<SafetensorsFile>(dir + "/model.safetensors"));
+            for (const TensorInfo& t : shards_[0]->tensors()) refs_.emplace(t.name, Ref{shards_[0].get(), &t});
+        } else if (!fs::is_directory(dir)) {
+            fail(ErrorKind::io, dir + ": not a directory");
+        } else {
+            fail(ErrorKind::format, dir + ": neither model.safetensors.index.json nor model.safetensors is here");
+        }
+    }
+
+    const std::string& dir() const { return dir_; }
+    const std::vector<std::unique_ptr<SafetensorsFile>>& shards() const { return shards_; }
+    std::size_t size() const { return refs_.size(); }
+    const std::unordered_map<std::string, Ref>& tensors() const { return refs_; }
+
+    const Ref* find(const std::string& name) const {
+        auto it = refs_.find(name);
+        return it == refs_.end() ? nullptr : &it->second;
+    }
+    const Ref& get(const std::string& name) const {
+        if (const Ref* r = find(name)) return *r;
+        fail(ErrorKind::format, dir_ + ": checkpoint has no tensor '" + name + "'");
+    }
+    Tensor read(const std::string& name) const {
+        const Ref& r = get(name);
+        Tensor out{*r.info, AlignedBuffer(r.info->nbytes())};
+        r.file->read_into(*r.info, out.bytes.data());
+        return out;
+    }
+
+  private:
+    void load_index(const std::string& index_path) {
+        using nlohmann::json;
+        std::string text;
+        {
+            Fd fd = open_read(index_path);
+            const std::uint64_t n = file_size(fd.get(), index_path);
+            text.resize(std::size_t(n));
+            pread_exact(fd.get(), text.data(), std::size_t(n), 0, index_path);
+        }
+        json idx;
+        try {
+            idx = json::parse(text);
+        } catch (const json::parse_error& e) {
+            fail(ErrorKind::format, index_path + ": not valid JSON: " + e.what());
+        }
+        if (!idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object())
+            fail(ErrorKind::format, index_path + ": field 'weight_map' is missing or not an object");
+        std::map<std::string, SafetensorsFile*> by_file;
+        for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
+            if (!it.value().is_string())
+                fail(ErrorKind::format, index_path + ": weight_map['" + it.key() + "'] is not a file name");
+            const std::string file = it.value().get<std::string>();
+            if (file.find('/') != std::string::npos || file == ".." || file.empty())
+                fail(ErrorKind::format, index_path + ": weight_map['" + it.key() + "'] = '" + file + "' is not a plain file name");
+            auto f = by_file.find(file);
+            if (f == by_file.end()) {
+                const std::string path = dir_ + "/" + file;
+                if (!std::filesystem::exists(path))
+                    fail(ErrorKind::format, index_path + ": weight_map maps '" + it.key() + "' to '" + file + "', which does not exist");
+                shards_.push_back(std::make_unique<SafetensorsFile>(path));
+                f = by_file.emplace(file, shards_.back().get()).first;
+            }
+            const TensorInfo* t = f->second->find(it.key());
+            if (!t)
+                fail(ErrorKind::format, index_path + ": weight_map maps '" + it.key() + "' to '" + file + "', whose header has no such tensor");
+            refs_.emplace(it.key(), Ref{f->second, t});
+        }
+    }
+
+    std::string dir_;
+    std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+    std::unordered_map<std::string, Ref> refs_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 1.7 Writing a file
+// ---------------------------------------------------------------------------------------------------
+// The writer lays tensors out in the order they were added, contiguous, pads the header with spaces to a
+// multiple of 8, and writes to `path.tmp` before renaming, so an interrupted write never leaves a
+// half-written file under the real name.
+class SafetensorsWriter {
+  public:
+    void add(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t nbytes) {
+        if (std::uint64_t(shape.numel()) * dtype_size(dtype) != nbytes)
+            fail(ErrorKind::usage, "SafetensorsWriter: tensor '" + name + "' has " + std::to_string(nbytes) +
+                                       " bytes but shape " + shape.str() + " needs " +
+                                       std::to_string(std::uint64_t(shape.numel()) * dtype_size(dtype)));
+        const auto* p = static_cast<const std::byte*>(data);
+        entries_.push_back({name, dtype, shape, std::vector<std::byte>(p, p + nbytes)});
+    }
+    template <class T> void add(const std::string& name, DType dtype, const Shape& shape, const std::vector<T>& v) {
+        add(name, dtype, shape, v.data(), v.size() * sizeof(T));
+    }
+    void metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+
+    // The whole file as bytes (tests corrupt these on purpose).
+    std::vector<std::byte> bytes() const {
+        nlohmann::ordered_json h = nlohmann::ordered_json::object();
+        if (!metadata_.empty()) h["__metadata__"] = metadata_;
+        std::uint64_t off = 0;
+        for (const auto& e : entries_) {
+            nlohmann::ordered_json shape = nlohmann::ordered_json::array();
+            for (int i = 0; i < e.shape.rank; ++i) shape.push_back(e.shape[i]);
+            h[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", shape}, {"data_offsets", {off, off + e.data.size()}}};
+            off += e.data.size();
+        }
+        std::string text = h.dump();
+        text.resize(round_up(text.size(), 8), ' ');
+        std::vector<std::byte> out(8 + text.size() + off);
+        const std::uint64_t n = text.size();
+        for (int i = 0; i < 8; ++i) out[std::size_t(i)] = std::byte((n >> (8 * i)) & 0xFF);
+        std::memcpy(out.data() + 8, text.data(), text.size());
+        std::size_t pos = 8 + text.size();
+        for (const auto& e : entries_) {
+            if (!e.data.empty()) std::memcpy(out.data() + pos, e.data.data(), e.data.size());
+            pos += e.data.size();
+        }
+        return out;
+    }
+
+    void write(const std::string& path) const { write_file_atomic(path, bytes()); }
+
+    static void write_file_atomic(const std::string& path, std::span<const std::byte> data) {
+        const std::string tmp = path + ".tmp";
+        const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) fail(ErrorKind::io, tmp + ": cannot create: " + errno_text(errno));
+        std::size_t done = 0;
+        while (done < data.size()) {
+            const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) {
+                const int e = errno;
+                ::close(fd);
+                ::unlink(tmp.c_str());
+                fail(ErrorKind::io, tmp + ": write failed: " + errno_text(e));
+            }
+            done += std::size_t(w);
+        }
+        if (::fsync(fd) != 0 || ::close(fd) != 0) {
+            ::unlink(tmp.c_str());
+            fail(ErrorKind::io, tmp + ": could not be flushed to disk");
+        }
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::io, path + ": rename failed: " + errno_text(errno));
+    }
+
+  private:
+    struct Entry {
+        std::string name;
+        DType dtype;
+        Shape shape;
+        std::vector<std::byte> data;
+    };
+    std::vector<Entry> entries_;
+    std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace kimik3

@@ -1,0 +1,134 @@
+// Shared assertion helpers for the chapter tests.
+//
+// Two kinds of comparison, never mixed:
+//   CHECK_BITS_EQ(got, want)        bit patterns equal (so -0 != +0 and NaN payloads count). For claims of
+//                                   bit-identity: _simd vs _ref, 1 vs 2 threads, prefill vs stepping.
+//   CHECK_REL_WITHIN(got, want, t)  max_i |got_i - want_i| / max_i |want_i| <= t, for agreement with the
+//                                   PyTorch reference; the tolerance is named in the test's title.
+// On failure both print how many elements differ and the first few with index, hex, value and the
+// distance in units in the last place (ulp).
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../chapters/00_numerics.hpp"
+#include "rng.hpp"
+
+#ifndef KIMIK3_SOURCE_DIR
+#define KIMIK3_SOURCE_DIR "."
+#endif
+
+namespace kimik3::test {
+
+// Path of a file under the repository root, so tests run from any working directory.
+inline std::string source_path(const std::string& rel) { return std::string(KIMIK3_SOURCE_DIR) + "/" + rel; }
+
+// Distance in ulps between two floats of the same sign (monotone integer mapping of the bit patterns).
+inline std::int64_t ulp_distance(float a, float b) {
+    auto key = [](float f) {
+        const std::int32_t i = std::bit_cast<std::int32_t>(f);
+        return i < 0 ? std::int64_t(std::int32_t(0x80000000u) - i) : std::int64_t(i);
+    };
+    const std::int64_t d = key(a) - key(b);
+    return d < 0 ? -d : d;
+}
+
+struct Comparison {
+    std::size_t mismatches = 0;
+    double max_error = 0.0;  // for tolerance comparisons: the measured relative error
+    std::string detail;
+};
+
+inline std::string describe_element(std::size_t i, float got, float want) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "  [%zu] got %08x (%.9g) want %08x (%.9g), %lld ulp\n", i,
+                  std::bit_cast<std::uint32_t>(got), double(got), std::bit_cast<std::uint32_t>(want),
+                  double(want), (long long)ulp_distance(got, want));
+    return buf;
+}
+
+inline Comparison compare_bits(std::span<const float> got, std::span<const float> want) {
+    Comparison c;
+    if (got.size() != want.size()) {
+        c.mismatches = std::max(got.size(), want.size());
+        c.detail = "sizes differ: got " + std::to_string(got.size()) + " want " + std::to_string(want.size());
+        return c;
+    }
+    std::string first;
+    for (std::size_t i = 0; i < got.size(); ++i)
+        if (std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(want[i]))
+            if (++c.mismatches <= 5) first += describe_element(i, got[i], want[i]);
+    c.detail = std::to_string(c.mismatches) + " of " + std::to_string(got.size()) + " elements differ in bits\n" + first;
+    return c;
+}
+
+inline Comparison compare_bits(std::span<const std::uint16_t> got, std::span<const std::uint16_t> want) {
+    Comparison c;
+    if (got.size() != want.size()) {
+        c.mismatches = std::max(got.size(), want.size());
+        c.detail = "sizes differ";
+        return c;
+    }
+    std::string first;
+    for (std::size_t i = 0; i < got.size(); ++i)
+        if (got[i] != want[i] && ++c.mismatches <= 5) {
+            char buf[96];
+            std::snprintf(buf, sizeof buf, "  [%zu] got %04x want %04x\n", i, got[i], want[i]);
+            first += buf;
+        }
+    c.detail = std::to_string(c.mismatches) + " of " + std::to_string(got.size()) + " bf16 elements differ\n" + first;
+    return c;
+}
+
+// Relative error against the largest magnitude of the expected vector: robust to elements near zero.
+inline Comparison compare_rel(std::span<const float> got, std::span<const float> want, double tol) {
+    Comparison c;
+    if (got.size() != want.size()) {
+        c.mismatches = std::max(got.size(), want.size());
+        c.detail = "sizes differ: got " + std::to_string(got.size()) + " want " + std::to_string(want.size());
+        c.max_error = INFINITY;
+        return c;
+    }
+    double scale = 0.0;
+    for (float w : want) scale = std::max(scale, std::fabs(double(w)));
+    if (scale == 0.0) scale = 1.0;
+    std::string first;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+        const double e = std::fabs(double(got[i]) - double(want[i])) / scale;
+        if (!(e <= tol)) {  // also catches NaN
+            if (++c.mismatches <= 5) first += describe_element(i, got[i], want[i]);
+        }
+        if (!(e <= c.max_error)) c.max_error = std::isnan(e) ? INFINITY : e;
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "max relative error %.3g (tolerance %.3g, scale %.6g); %zu of %zu elements outside\n",
+                  c.max_error, tol, scale, c.mismatches, got.size());
+    c.detail = buf + first;
+    return c;
+}
+
+}  // namespace kimik3::test
+
+#define CHECK_BITS_EQ(got, want)                                                          \
+    do {                                                                                  \
+        const auto kimik3_cmp_ = ::kimik3::test::compare_bits((got), (want));            \
+        INFO(kimik3_cmp_.detail);                                                         \
+        CHECK(kimik3_cmp_.mismatches == 0);                                               \
+    } while (0)
+
+#define CHECK_REL_WITHIN(got, want, tol)                                                  \
+    do {                                                                                  \
+        const auto kimik3_cmp_ = ::kimik3::test::compare_rel((got), (want), (tol));      \
+        INFO(kimik3_cmp_.detail);                                                         \
+        CHECK(kimik3_cmp_.mismatches == 0);                                               \
+    } while (0)

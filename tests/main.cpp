@@ -1,0 +1,44 @@
+// The one main() shared by every chapter's test binary.
+//
+// doctest runs the cases; a listener prints one machine-readable line at the end of the run,
+// "kimik3-tests: <binary> P passed, F failed", which tests/run.sh adds up across chapters into the
+// final "N passed, N failed" line of `make test`. A binary that crashes prints no such line, and the
+// runner counts it as a failure, so a segfault can never look like a pass.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+
+namespace {
+struct CountingListener : doctest::IReporter {
+    explicit CountingListener(const doctest::ContextOptions& opts) : opts_(opts) {}
+    void report_query(const doctest::QueryData&) override {}
+    void test_run_start() override {}
+    void test_run_end(const doctest::TestRunStats& s) override {
+        if (opts_.no_run) return;
+        const unsigned ran = s.numTestCasesPassingFilters;
+        std::printf("kimik3-tests: %s %u passed, %u failed\n", opts_.binary_name.c_str(),
+                    ran - s.numTestCasesFailed, s.numTestCasesFailed);
+        std::fflush(stdout);
+    }
+    void test_case_start(const doctest::TestCaseData&) override {}
+    void test_case_reenter(const doctest::TestCaseData&) override {}
+    void test_case_end(const doctest::CurrentTestCaseStats&) override {}
+    void test_case_exception(const doctest::TestCaseException&) override {}
+    void subcase_start(const doctest::SubcaseSignature&) override {}
+    void subcase_end() override {}
+    void log_assert(const doctest::AssertData&) override {}
+    void log_message(const doctest::MessageData&) override {}
+    void test_case_skipped(const doctest::TestCaseData&) override {}
+
+  private:
+    const doctest::ContextOptions& opts_;
+};
+}  // namespace
+
+REGISTER_LISTENER("kimik3-count", 1, CountingListener);
+
+int main(int argc, char** argv) {
+    doctest::Context context(argc, argv);
+    return context.run();
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs test binaries one after another and prints, as the very last line, "N passed, N failed"
+# (test cases, summed over all binaries). A binary that dies without printing its count line (a crash,
+# a sanitizer abort) adds one failure named after it. Usage: tests/run.sh BIN [BIN...]
+set -u
+passed=0
+failed=0
+for bin in "$@"; do
+    name=$(basename "$bin")
+    out=$("$bin" 2>&1)
+    rc=$?
+    printf '%s\n' "$out" | grep -v '^kimik3-tests: '
+    line=$(printf '%s\n' "$out" | grep '^kimik3-tests: ' | tail -n 1)
+    if [ -z "$line" ]; then
+        echo "$name: exited with status $rc before reporting its results: counted as 1 failed"
+        failed=$((failed + 1))
+        continue
+    fi
+    p=$(printf '%s\n' "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed$/\1/')
+    f=$(printf '%s\n' "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed$/\2/')
+    if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+        echo "$name: exited with status $rc although every case passed: counted as 1 failed"
+        f=1
+    fi
+    echo "$name: $p passed, $f failed"
+    passed=$((passed + p))
+    failed=$((failed + f))
+done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

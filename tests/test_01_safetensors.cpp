@@ -1,0 +1,229 @@
+// Tests for chapter 01: safetensors. The heart is a corpus of broken files, each crafted byte by byte,
+// each with the error it must produce. None may crash or trip a sanitizer (make debug).
+#include "../chapters/01_safetensors.hpp"
+
+#include <cstdlib>
+#include <fstream>
+
+#include "check.hpp"
+
+using namespace kimik3;
+
+namespace {
+
+// A fresh temporary directory per test case, removed at the end.
+struct TempDir {
+    std::string path;
+    TempDir() {
+        char tmpl[] = "/tmp/kimik3-test01-XXXXXX";
+        const char* p = ::mkdtemp(tmpl);
+        REQUIRE(p != nullptr);
+        path = p;
+    }
+    ~TempDir() { std::filesystem::remove_all(path); }
+    std::string file(const std::string& name) const { return path + "/" + name; }
+};
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+    std::ofstream f(path, std::ios::binary);
+    f.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+// A file from a header given as text: 8-byte length, the text, then `data_bytes` bytes of data.
+std::string craft(const std::string& header, std::size_t data_bytes, std::uint64_t length_field = UINT64_MAX) {
+    const std::uint64_t n = length_field == UINT64_MAX ? header.size() : length_field;
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[std::size_t(i)] = char((n >> (8 * i)) & 0xFF);
+    out += header;
+    for (std::size_t i = 0; i < data_bytes; ++i) out += char(i * 7 + 1);
+    return out;
+}
+
+// Runs f, which must throw a kimik3::Error whose message contains every one of `parts`.
+template <class F> void expect_error(F&& f, std::initializer_list<const char*> parts) {
+    try {
+        f();
+        FAIL("expected an error containing: " << *parts.begin());
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        INFO("message: " << msg);
+        for (const char* part : parts) CHECK(msg.find(part) != std::string::npos);
+    }
+}
+
+const char* kGood = R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[4],"data_offsets":[16,24]}})";
+
+}  // namespace
+
+TEST_CASE("1.1 dtype names and sizes; F16 -> f32 is exact for all 65,536 patterns") {
+    DType d{};
+    CHECK(parse_dtype("BF16", d));
+    CHECK(d == DType::BF16);
+    CHECK(dtype_size(DType::I64) == 8);
+    CHECK(!parse_dtype("F8_E4M3", d));
+    for (std::uint32_t h = 0; h < 65536; ++h) {
+        const int e = int(h >> 10 & 31), m = int(h & 1023);
+        const double sign = (h & 0x8000) ? -1.0 : 1.0;
+        const float got = f16_to_f32(std::uint16_t(h));
+        if (e == 31) {
+            REQUIRE((m ? std::isnan(got) : std::isinf(got)));
+            continue;
+        }
+        const double want = e == 0 ? sign * std::ldexp(double(m), -24) : sign * std::ldexp(1.0 + m / 1024.0, e - 15);
+        REQUIRE(double(got) == want);
+        REQUIRE(std::signbit(got) == bool(h & 0x8000));
+    }
+}
+
+TEST_CASE("1.3 a good file: every field parsed, offsets absolute, data read by pread and by mmap agree") {
+    TempDir dir;
+    SafetensorsWriter w;
+    std::vector<float> a = {1.5f, -2.0f, 0.25f, 1e-40f};  // includes a denormal
+    std::vector<std::uint16_t> b = {0x3F80, 0xBF80, 0x0000, 0x7F80};
+    std::vector<std::int64_t> ids = {1, -2, 163839};
+    w.add("a", DType::F32, {2, 2}, a);
+    w.add("b", DType::BF16, {4}, b);
+    w.add("ids", DType::I64, {3}, ids);
+    w.add("empty", DType::F32, {0, 5}, nullptr, 0);
+    w.metadata("format", "pt");
+    w.write(dir.file("x.safetensors"));
+
+    SafetensorsFile f(dir.file("x.safetensors"));
+    CHECK(f.tensors().size() == 4);
+    CHECK(f.metadata().at("format") == "pt");
+    CHECK(f.header().data_start % 8 == 0);  // the writer pads the header to 8
+    const TensorInfo& ta = f.get("a");
+    CHECK(ta.dtype == DType::F32);
+    CHECK(ta.shape == Shape{2, 2});
+    CHECK(ta.file_offset == f.header().data_start + ta.begin);
+    CHECK(to_f32(f.read("a")) == a);
+    const auto bv = to_f32(f.read("b"));
+    CHECK(bv[0] == 1.0f);
+    CHECK(bv[1] == -1.0f);
+    CHECK(std::isinf(bv[3]));
+    CHECK(to_i64(f.read("ids")) == ids);
+    CHECK(f.get("empty").nbytes() == 0);
+
+    MappedFile m(f);
+    const auto span = m.bytes(ta);
+    CHECK(std::memcmp(span.data(), a.data(), 16) == 0);
+
+    Tensor t = f.read("b");
+    const View<std::uint16_t> v = view_as<std::uint16_t>(t, DType::BF16);
+    CHECK(v.size() == 4);
+    CHECK(v.data[0] == 0x3F80);
+    expect_error([&] { view_as<float>(t, DType::F32); }, {"tensor 'b'", "expected dtype F32", "found BF16"});
+    expect_error([&] { f.get("nope"); }, {"x.safetensors", "no tensor 'nope'"});
+}
+
+TEST_CASE("1.3 the broken-file corpus: each file gives its own error naming the file, tensor and field") {
+    TempDir dir;
+    struct Case {
+        const char* what;
+        std::string bytes;
+        std::initializer_list<const char*> parts;
+    };
+    const std::string good = craft(kGood, 24);
+    const std::vector<Case> corpus = {
+        {"shorter than 8 bytes", std::string(5, '\0'), {"shorter than the 8-byte header length"}},
+        {"header length past end of file", craft(kGood, 24, 1000), {"header length 1000 runs past the end of the file"}},
+        {"header length absurd", craft(kGood, 24, 1ull << 40), {"outside [2, 100000000]"}},
+        {"truncated data", good.substr(0, good.size() - 3), {"tensor 'b'", "field 'data_offsets'", "ends past the data section (21 bytes)"}},
+        {"invalid JSON", craft(R"({"a":{"dtype":"F32",})", 0), {"not valid JSON"}},
+        {"not an object", craft(R"(["a"])", 0), {"does not start with '{'"}},
+        {"duplicate name", craft(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2),
+         {"tensor 'a' appears twice"}},
+        {"unknown dtype", craft(R"({"a":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", 1), {"tensor 'a'", "field 'dtype'", "unknown dtype \"F8_E4M3\""}},
+        {"missing dtype", craft(R"({"a":{"shape":[1],"data_offsets":[0,1]}})", 1), {"tensor 'a'", "field 'dtype'", "missing"}},
+        {"overflowing shape", craft(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", 4),
+         {"tensor 'a'", "field 'shape'", "overflows a 64-bit element count"}},
+        {"overflowing byte count", craft(R"({"a":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", 8),
+         {"tensor 'a'", "field 'shape'", "overflows a 64-bit byte count"}},
+        {"negative dimension", craft(R"({"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", 1), {"tensor 'a'", "field 'shape'", "negative"}},
+        {"fractional dimension", craft(R"({"a":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}})", 1), {"field 'shape'", "not an integer"}},
+        {"rank above 8", craft(R"({"a":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,1]}})", 1), {"field 'shape'", "rank 9"}},
+        {"size mismatch", craft(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+         {"tensor 'a'", "field 'data_offsets'", "holds 8 bytes but shape [3] of F32 needs 12"}},
+        {"offsets out of range", craft(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[100,104]}})", 8), {"tensor 'a'", "ends past the data section (8 bytes)"}},
+        {"begin after end", craft(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", 8), {"tensor 'a'", "begin > end"}},
+        {"offsets not a pair", craft(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0]}})", 8), {"field 'data_offsets'", "not a pair"}},
+        {"overlapping tensors", craft(R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}})", 10),
+         {"tensor 'b'", "field 'data_offsets'", "overlaps tensor 'a' [0, 8]"}},
+        {"metadata not strings", craft(R"({"__metadata__":{"k":1}})", 0), {"'__metadata__' value of 'k' is not a string"}},
+    };
+    int i = 0;
+    for (const Case& c : corpus) {
+        CAPTURE(c.what);
+        const std::string path = dir.file("broken" + std::to_string(i++) + ".safetensors");
+        write_bytes(path, c.bytes);
+        expect_error([&] { SafetensorsFile f(path); }, c.parts);
+        expect_error([&] { SafetensorsFile f(path); }, {path.c_str()});  // the file is always named
+    }
+    expect_error([&] { SafetensorsFile f(dir.file("missing.safetensors")); }, {"missing.safetensors", "cannot open"});
+}
+
+TEST_CASE("1.2 faults injected under pread surface as errors, never as data") {
+    TempDir dir;
+    write_bytes(dir.file("x.safetensors"), craft(kGood, 24));
+    SafetensorsFile f(dir.file("x.safetensors"));
+    std::vector<std::byte> dst(16, std::byte{0x55});
+
+    // A device that returns at most 3 bytes per call: pread_exact keeps reading, the data is complete.
+    detail::pread_hook = [](int fd, void* buf, std::size_t n, off_t off) { return ::pread(fd, buf, std::min<std::size_t>(n, 3), off); };
+    f.read_into(f.get("a"), dst.data());
+    CHECK(std::to_integer<int>(dst[0]) == 1);  // craft() data byte 0 is 0*7+1
+
+    // A device that hits end of file early.
+    detail::pread_hook = [](int, void*, std::size_t, off_t) -> ssize_t { return 0; };
+    expect_error([&] { f.read_into(f.get("a"), dst.data()); }, {"x.safetensors", "unexpected end of file", "read of 16 bytes"});
+
+    // A device error.
+    detail::pread_hook = [](int, void*, std::size_t, off_t) -> ssize_t { errno = EIO; return -1; };
+    expect_error([&] { f.read_into(f.get("b"), dst.data()); }, {"x.safetensors", "failed", "Input/output error"});
+    detail::pread_hook = ::pread;
+}
+
+TEST_CASE("1.6 a two-shard checkpoint through model.safetensors.index.json, and its broken indexes") {
+    TempDir dir;
+    SafetensorsWriter s1, s2;
+    std::vector<float> x = {1, 2, 3, 4};
+    std::vector<float> y = {5, 6};
+    s1.add("model.x", DType::F32, {4}, x);
+    s2.add("model.y", DType::F32, {2}, y);
+    s1.write(dir.file("model-00001-of-00002.safetensors"));
+    s2.write(dir.file("model-00002-of-00002.safetensors"));
+    const std::string idx = dir.file("model.safetensors.index.json");
+    write_bytes(idx, R"({"metadata":{"total_size":24},"weight_map":{"model.x":"model-00001-of-00002.safetensors","model.y":"model-00002-of-00002.safetensors"}})");
+    {
+        Checkpoint ck(dir.path);
+        CHECK(ck.shards().size() == 2);
+        CHECK(ck.size() == 2);
+        CHECK(to_f32(ck.read("model.x")) == x);
+        CHECK(to_f32(ck.read("model.y")) == y);
+        expect_error([&] { ck.get("model.z"); }, {"no tensor 'model.z'"});
+    }
+    write_bytes(idx, R"({"weight_map":{"model.x":"model-00003-of-00002.safetensors"}})");
+    expect_error([&] { Checkpoint ck(dir.path); }, {"model.safetensors.index.json", "'model.x'", "model-00003-of-00002.safetensors", "does not exist"});
+    write_bytes(idx, R"({"weight_map":{"model.q":"model-00001-of-00002.safetensors"}})");
+    expect_error([&] { Checkpoint ck(dir.path); }, {"'model.q'", "whose header has no such tensor"});
+    write_bytes(idx, R"({"weight_map":{"model.x":"../etc/passwd"}})");
+    expect_error([&] { Checkpoint ck(dir.path); }, {"not a plain file name"});
+    write_bytes(idx, R"({"weight_map": 3})");
+    expect_error([&] { Checkpoint ck(dir.path); }, {"field 'weight_map'"});
+    write_bytes(idx, R"({"weight_map": )");
+    expect_error([&] { Checkpoint ck(dir.path); }, {"not valid JSON"});
+    std::filesystem::remove(idx);
+    expect_error([&] { Checkpoint ck(dir.path); }, {"neither model.safetensors.index.json nor model.safetensors"});
+    expect_error([&] { Checkpoint ck(dir.file("nothing-here")); }, {"not a directory"});
+}
+
+TEST_CASE("1.7 the writer refuses a byte count that does not match the shape, and writes atomically") {
+    TempDir dir;
+    SafetensorsWriter w;
+    std::vector<float> three = {1, 2, 3};
+    expect_error([&] { w.add("t", DType::F32, {4}, three); }, {"tensor 't'", "has 12 bytes but shape [4] needs 16"});
+    w.add("t", DType::F32, {3}, three);
+    w.write(dir.file("t.safetensors"));
+    CHECK(!std::filesystem::exists(dir.file("t.safetensors.tmp")));
+    CHECK(to_f32(SafetensorsFile(dir.file("t.safetensors")).read("t")) == three);
+}
