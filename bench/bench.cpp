@@ -1,0 +1,183 @@
+// kimik3-bench: measurements at Kimi K3's real sizes, reported against this machine's own limits.
+//
+//   make bench                       all sections
+//   make bench BENCH_ARGS="--reps 9" more repetitions (the median is reported)
+//   build/g++/kimik3-bench --help
+//
+// Every figure is the MEDIAN of several runs (the machine is shared and noisy), and every speed is
+// also given as a ratio to a limit measured in the same run: the plain memory-read bandwidth of one
+// thread and of all threads. Nothing here asserts a time: benchmarks measure, tests check.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../kimik3.hpp"
+#include "../tests/rng.hpp"
+
+using namespace kimik3;
+
+namespace {
+
+int g_reps = 5;
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Median wall time of `reps` calls of f (one untimed warm-up call first).
+double median_seconds(int reps, const std::function<void()>& f) {
+    f();
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+        const double t0 = now();
+        f();
+        t.push_back(now() - t0);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+// The machine's limit: bytes per second a plain read of a large buffer achieves (no compute: four
+// SIMD accumulators summing floats), with `threads` threads, each over its own contiguous part.
+double read_bandwidth(const std::vector<float>& buf, int threads) {
+    set_threads(threads);
+    volatile float sink = 0;
+    const double sec = median_seconds(g_reps, [&] {
+        float total = 0;
+        const std::size_t n = buf.size();
+#pragma omp parallel reduction(+ : total) num_threads(threads)
+        {
+            const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
+            const std::size_t b = n * t / nt / 64 * 64, e = t + 1 == nt ? n : n * (t + 1) / nt / 64 * 64;
+            simd::f32 a0 = simd::splat(0), a1 = a0, a2 = a0, a3 = a0;
+            for (std::size_t i = b; i + 4 * simd::W <= e; i += 4 * simd::W) {
+                a0 = a0 + simd::load(&buf[i]);
+                a1 = a1 + simd::load(&buf[i + simd::W]);
+                a2 = a2 + simd::load(&buf[i + 2 * simd::W]);
+                a3 = a3 + simd::load(&buf[i + 3 * simd::W]);
+            }
+            float lanes[8 * 4];
+            simd::store(lanes, (a0 + a1) + (a2 + a3));
+            for (int j = 0; j < simd::W; ++j) total += lanes[j];
+        }
+        sink = total;
+    });
+    (void)sink;
+    return double(buf.size() * sizeof(float)) / sec;
+}
+
+struct Limits {
+    double bw1 = 0, bw2 = 0;
+};
+
+void row(const char* kernel, const char* path, int threads, double weights, double bytes, double sec, const Limits& lim) {
+    const double bw = bytes / sec;
+    const double limit = threads == 1 ? lim.bw1 : lim.bw2;
+    std::printf("  %-34s %-6s %2d  %9.3f ms  %7.2f Gw/s  %7.2f GB/s  %5.2f of read bw\n", kernel, path, threads, sec * 1e3,
+                weights / sec / 1e9, bw / 1e9, bw / limit);
+    std::fflush(stdout);
+}
+
+void bench_bf16(const Limits& lim) {
+    std::printf("\n4.x bf16 matvec at K3 size (weights streamed from memory: each matrix is 88-176 MB)\n");
+    std::printf("  %-34s %-6s %2s  %12s  %12s  %12s  %s\n", "kernel", "path", "th", "median", "weights", "bytes", "ratio");
+    test::Rng rng(7);
+    struct Shape {
+        const char* name;
+        std::size_t rows, cols;
+    };
+    for (const Shape& s : {Shape{"KDA q_proj 7168 -> 12288", 12288, 7168}, Shape{"KDA o_proj 12288 -> 7168", 7168, 12288}}) {
+        const auto w = rng.bf16s(s.rows * s.cols);
+        const auto x = rng.floats(s.cols);
+        std::vector<float> y(s.rows);
+        const double weights = double(s.rows * s.cols), bytes = weights * 2;
+        for (int threads : {1, 2}) {
+            set_threads(threads);
+            row(s.name, "simd", threads, weights, bytes,
+                median_seconds(g_reps, [&] { matvec_bf16_simd(y.data(), x.data(), w.data(), s.rows, s.cols); }), lim);
+            row(s.name, "ref", threads, weights, bytes,
+                median_seconds(std::min(g_reps, 3), [&] { matvec_bf16_ref(y.data(), x.data(), w.data(), s.rows, s.cols); }), lim);
+        }
+    }
+}
+
+void bench_mxfp4(const Limits& lim) {
+    std::printf("\n5.x MXFP4 matvec at K3 size (16 distinct experts: 281 MB, so reads come from memory)\n");
+    std::printf("  %-34s %-6s %2s  %12s  %12s  %12s  %s\n", "kernel", "path", "th", "median/call", "weights", "weight bytes", "ratio");
+    const std::size_t F = 3072, L = 3584, E = 16;
+    const std::size_t p13 = F * L / 2, s13 = F * L / 32;  // w1/w3: [3072, 3584]
+    const std::size_t p2 = L * F / 2, s2 = L * F / 32;    // w2:    [3584, 3072]
+    const std::size_t expert_bytes = 3 * (p13 + s13);
+    std::printf("  one expert = 3 x (%zu + %zu) = %zu bytes (K3: 17,547,264)\n", p13, s13, expert_bytes);
+    // expert e: w1 packed, w1 scale, w3 packed, w3 scale, w2 packed, w2 scale (back to back)
+    std::vector<std::uint8_t> arena(E * expert_bytes);
+    test::Rng rng(8);
+    for (std::size_t i = 0; i < arena.size(); ++i) arena[i] = std::uint8_t(rng.bits());
+    for (std::size_t e = 0; e < E; ++e)
+        for (std::size_t m = 0; m < 3; ++m) {
+            std::uint8_t* sc = arena.data() + e * expert_bytes + m * (p13 + s13) + p13;
+            for (std::size_t i = 0; i < s13; ++i) sc[i] = std::uint8_t(118 + rng.bits() % 10);
+        }
+    auto mat = [&](std::size_t e, std::size_t m) { return arena.data() + e * expert_bytes + m * (p13 + s13); };
+    const auto xL = rng.floats(L), xF = rng.floats(F);
+    std::vector<float> yF(F), yL(L);
+    using Fn = void (*)(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t, std::size_t);
+    std::vector<std::pair<const char*, Fn>> paths = {{"simd", matmul_mxfp4_simd}, {"ref", matmul_mxfp4_ref}};
+    if (kHaveAvx2Kernel) paths.insert(paths.begin(), {"avx2", matmul_mxfp4_avx2});
+    for (int threads : {1, 2}) {
+        set_threads(threads);
+        for (auto [name, fn] : paths) {
+            const int reps = std::string(name) == "ref" ? std::min(g_reps, 3) : g_reps;
+            const double w13 = double(F * L), b13 = double(p13 + s13);
+            // w1/w3 shape, one call per distinct expert: time per call
+            double sec = median_seconds(reps, [&] {
+                for (std::size_t e = 0; e < E; ++e) fn(yF.data(), xL.data(), mat(e, 0), mat(e, 0) + p13, 1, F, L);
+            }) / double(E);
+            row("expert w1/w3 3584 -> 3072", name, threads, w13, b13, sec, lim);
+            sec = median_seconds(reps, [&] {
+                for (std::size_t e = 0; e < E; ++e) fn(yL.data(), xF.data(), mat(e, 2), mat(e, 2) + p2, 1, L, F);
+            }) / double(E);
+            row("expert w2 3072 -> 3584", name, threads, double(L * F), double(p2 + s2), sec, lim);
+            sec = median_seconds(reps, [&] {
+                for (std::size_t e = 0; e < E; ++e) {
+                    fn(yF.data(), xL.data(), mat(e, 0), mat(e, 0) + p13, 1, F, L);
+                    fn(yF.data(), xL.data(), mat(e, 1), mat(e, 1) + p13, 1, F, L);
+                    fn(yL.data(), xF.data(), mat(e, 2), mat(e, 2) + p2, 1, L, F);
+                }
+            });
+            row("16 experts back to back (w1,w3,w2)", name, threads, double(E) * 3 * w13, double(E * expert_bytes), sec, lim);
+        }
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string only;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--reps" && i + 1 < argc) g_reps = std::max(1, std::atoi(argv[++i]));
+        else if (a == "--only" && i + 1 < argc) only = argv[++i];
+        else {
+            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4]\n"
+                        "  Measures kernels at Kimi K3's sizes; reports medians of N runs (default 5)\n"
+                        "  and ratios to the memory-read bandwidth measured in the same run.\n");
+            return a == "--help" || a == "-h" ? 0 : 2;
+        }
+    }
+    std::printf("kimik3-bench: SIMD %s (%d floats), %d threads available, median of %d runs\n", simd::arch_name(), simd::W,
+                max_threads(), g_reps);
+    std::printf("\nmachine limits, measured now: plain read of a 512 MB buffer\n");
+    Limits lim;
+    {
+        std::vector<float> buf(std::size_t(128) << 20, 1.0f);
+        lim.bw1 = read_bandwidth(buf, 1);
+        lim.bw2 = read_bandwidth(buf, 2);
+    }
+    std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9);
+    if (only.empty() || only == "bf16") bench_bf16(lim);
+    if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
+    return 0;
+}

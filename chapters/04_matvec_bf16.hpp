@@ -1,0 +1,191 @@
+// kimik3 chapter 04: matvec_bf16 -- y = W x with bf16 weights, exactly the same bits at any width.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   The kernel that moves most of K3's dense bytes: a matrix-vector product whose weights are bf16 and
+//   whose activations are f32. New since chapter 03: the dot product becomes memory-bound (every weight
+//   is used once per token), so the SIMD path is about loading 2-byte weights fast; and a SIMD register
+//   can hold the 16 logical lanes in a permuted order, as long as each lane still sees its own products
+//   in its own order. Also new: a multi-token form that reads each weight row once for T tokens (what
+//   prefill needs), giving per token exactly the bits of T single matvecs.
+//
+// WHERE THIS SITS IN KIMI K3
+//   Every projection outside the routed experts: KDA q/k/v/g [12288, 7168] and o_proj [7168, 12288],
+//   MLA projections, the router [896, 7168], the latent down/up projections [3584, 7168]/[7168, 3584],
+//   shared experts, the dense FFN of layer 0 [33792, 7168], and lm_head [163840, 7168]. Per token
+//   about 108.8 GB of trunk weights pass through this kernel if nothing is resident (prior-art 1).
+//
+// CONCEPTS
+//   row-major [out, in]   W[r][c] at element r*in + c: one output's weights are contiguous.
+//   even/odd split        one 32-bit load holds two bf16 weights. Shifting left by 16 gives the even
+//                         element as an f32; masking the low half away gives the odd one. No
+//                         conversion instruction is needed: bf16 -> f32 is "append 16 zero bits".
+//   permuted lanes        after the split, register a holds logical lanes
+//                           q*2W + 2j + p   (a = 2q + p, j = 0..W-1)
+//                         for W = 8: even register = lanes 0,2,..,14, odd = 1,3,..,15. The input x is
+//                         permuted the same way once per call, and the 16 sums are put back into
+//                         logical order before hsum16. Each lane's sequence of additions is unchanged.
+//
+//         W = 8, one chunk of 16 bf16 (32 bytes) loaded as 8 x u32:
+//         u32 lane j:   [ w(2j+1) : high 16 | w(2j) : low 16 ]
+//         u << 16        -> f32 w(2j)      (register "even", logical lanes 0,2,...,14)
+//         u & 0xFFFF0000 -> f32 w(2j+1)    (register "odd",  logical lanes 1,3,...,15)
+//
+// NUMERICS CONTRACT
+//   y[r] = hsum16(lanes), lane l = sum over i = l, l+16, l+32, ... (in that order) of
+//   bf16_to_f32(W[r][i]) * x[i], each product rounded, then added. `in` must be a multiple of 16; `out`
+//   is anything. Rows are split across threads (never a row's sum), so 1 or N threads give the same bits.
+//   matmul_bf16 (T tokens): Y[t][r] has exactly the bits of matvec_bf16 on token t alone.
+//
+// USES     chapter 00 (lanes, hsum16, shim, parallel_rows)
+// RUN      make run-04        TEST   make test-04        BENCH   make bench
+//
+// SECTIONS
+//   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernel      4.4 dispatch
+// ====================================================================================================
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "00_numerics.hpp"
+
+namespace kimik3 {
+
+static_assert(std::endian::native == std::endian::little, "the weight formats are little-endian and loaded as such");
+
+// ---------------------------------------------------------------------------------------------------
+// 4.1 The reference: one row, one token, 16 lanes
+// ---------------------------------------------------------------------------------------------------
+inline float dot_bf16_ref(const bf16* w, const float* x, std::size_t n) {  // w (n), x (n)
+    float acc[kLanes] = {};
+    for (std::size_t i = 0; i < n; ++i) acc[i % kLanes] = acc[i % kLanes] + bf16_to_f32(w[i]) * x[i];
+    return hsum16(acc);
+}
+
+// y = W x for T tokens: Y[t][r] = dot(W[r], X[t]). T = 1 is the plain matvec.
+inline void matmul_bf16_ref(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                            std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
+    require_multiple("matvec_bf16", "in", cols, kLanes);
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        for (std::size_t r = r0; r < r1; ++r)
+            for (std::size_t t = 0; t < tokens; ++t) y[t * rows + r] = dot_bf16_ref(w + r * cols, x + t * cols, cols);
+    });
+}
+
+inline void matvec_bf16_ref(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
+    matmul_bf16_ref(y, x, w, 1, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 4.2 The even/odd lane layout (shared with the MXFP4 kernel of chapter 05)
+// ---------------------------------------------------------------------------------------------------
+namespace detail {
+
+// Logical lane held by lane j of accumulator register a (a = 2q + p, p = 0 even, 1 odd).
+constexpr int lane_of(int a, int j) { return (a / 2) * 2 * simd::W + 2 * j + (a % 2); }
+
+// xp = x with every 16-element chunk permuted into register order (16/W registers of W lanes each).
+inline void permute_input(float* xp, const float* x, std::size_t n) {  // xp (n), x (n)
+    for (std::size_t c = 0; c < n; c += kLanes)
+        for (int a = 0; a < simd::kBatchesPer16; ++a)
+            for (int j = 0; j < simd::W; ++j) xp[c + std::size_t(a * simd::W + j)] = x[c + std::size_t(lane_of(a, j))];
+}
+
+// The 16 accumulator lanes put back in logical order, then the one tree.
+inline float finish_permuted(const simd::f32* acc) {  // acc (16/W registers)
+    float reg[kLanes], lanes[kLanes];
+    for (int a = 0; a < simd::kBatchesPer16; ++a) simd::store(reg + a * simd::W, acc[a]);
+    for (int a = 0; a < simd::kBatchesPer16; ++a)
+        for (int j = 0; j < simd::W; ++j) lanes[lane_of(a, j)] = reg[a * simd::W + j];
+    return hsum16(lanes);
+}
+
+// Scratch for permuted inputs, one per thread that calls a kernel (kernels call it before forking).
+inline std::vector<float>& permuted_scratch(std::size_t n) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf;
+}
+
+// The inner loop: R rows x NT tokens at once, so that each weight load feeds NT tokens and each x load
+// feeds R rows, and R*NT*16/W independent additions are in flight. Every (row, token) pair keeps its
+// own 16/W registers, updated chunk by chunk in order: the same bits as one row and one token alone.
+template <int R, int NT>
+inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::size_t x_stride, const bf16* w,
+                       std::size_t cols) {  // y (NT, stride) at row 0, xp (NT, in) permuted, w (R, in)
+    constexpr int A = simd::kBatchesPer16;
+    simd::f32 acc[R][NT][A];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t)
+            for (int a = 0; a < A; ++a) acc[r][t][a] = simd::splat(0.0f);
+    const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
+    for (std::size_t c = 0; c < cols; c += kLanes) {
+        for (int q = 0; q < A / 2; ++q) {       // one u32 load = 2W bf16 = one even + one odd register
+            simd::f32 xe[NT], xo[NT];
+            for (int t = 0; t < NT; ++t) {
+                xe[t] = simd::load(xp + std::size_t(t) * x_stride + c + std::size_t(2 * q) * simd::W);
+                xo[t] = simd::load(xp + std::size_t(t) * x_stride + c + std::size_t(2 * q + 1) * simd::W);
+            }
+            for (int r = 0; r < R; ++r) {
+                const simd::u32 u = simd::load_u32(w + std::size_t(r) * cols + c + std::size_t(q) * 2 * simd::W);
+                const simd::f32 we = simd::as_f32(u << 16);           // elements 2j   (exact bf16 -> f32)
+                const simd::f32 wo = simd::as_f32(u & high_mask);     // elements 2j+1 (exact bf16 -> f32)
+                for (int t = 0; t < NT; ++t) {
+                    acc[r][t][2 * q] = acc[r][t][2 * q] + we * xe[t];
+                    acc[r][t][2 * q + 1] = acc[r][t][2 * q + 1] + wo * xo[t];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) y[std::size_t(t) * y_stride + std::size_t(r)] = finish_permuted(acc[r][t]);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+// 4.3 The SIMD kernel
+// ---------------------------------------------------------------------------------------------------
+// Bit-identical to matmul_bf16_ref. The structural difference: lanes live in registers in the even/odd
+// order of 4.2, and rows (one token) or tokens (several) are processed four at a time.
+inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                             std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
+    require_multiple("matvec_bf16", "in", cols, kLanes);
+    std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
+    for (std::size_t t = 0; t < tokens; ++t) detail::permute_input(xp.data() + t * cols, x + t * cols, cols);
+    const float* xpp = xp.data();
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        if (tokens == 1) {
+            std::size_t r = r0;
+            for (; r + 4 <= r1; r += 4) detail::bf16_block<4, 1>(y + r, rows, xpp, cols, w + r * cols, cols);
+            for (; r < r1; ++r) detail::bf16_block<1, 1>(y + r, rows, xpp, cols, w + r * cols, cols);
+            return;
+        }
+        for (std::size_t r = r0; r < r1; ++r) {
+            std::size_t t = 0;
+            for (; t + 4 <= tokens; t += 4) detail::bf16_block<1, 4>(y + t * rows + r, rows, xpp + t * cols, cols, w + r * cols, cols);
+            for (; t < tokens; ++t) detail::bf16_block<1, 1>(y + t * rows + r, rows, xpp + t * cols, cols, w + r * cols, cols);
+        }
+    });
+}
+
+inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
+    matmul_bf16_simd(y, x, w, 1, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 4.4 Dispatch
+// ---------------------------------------------------------------------------------------------------
+inline void matmul_bf16(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                        std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
+    use_simd ? matmul_bf16_simd(y, x, w, tokens, rows, cols) : matmul_bf16_ref(y, x, w, tokens, rows, cols);
+}
+
+inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
+    matmul_bf16(y, x, w, 1, rows, cols);
+}
+
+}  // namespace kimik3

@@ -1,0 +1,374 @@
+// kimik3 chapter 05: mxfp4 -- the routed experts' 4-bit weights, decoded exactly, multiplied in place.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Kimi K3's routed experts (98.5% of its 2.78 T parameters) are stored as MXFP4: 4-bit floats in
+//   blocks of 32 that share one 8-bit power-of-two scale. This chapter decodes every code and scale
+//   exactly, draws the compressed-tensors byte layout, and builds a matvec that reads the packed bytes
+//   directly (an expert's 17.5 MB would become 132 MB if widened to f32 first). New since chapter 04:
+//   a number format small enough to test exhaustively, a decode that must be done in registers, and an
+//   ISA-specific whole function (AVX2) next to the portable xsimd one, all three bit-identical.
+//
+// WHERE THIS SITS IN KIMI K3 (spec 2.2, 2.4)
+//   Per expert: w1 (gate) and w3 (up) [3072, 3584], w2 (down) [3584, 3072], i.e. F = 3072, L = 3584.
+//   weight_packed [out, in/2] U8 and weight_scale [out, in/32] U8 for each: 3 x (5,505,024 + 344,064)
+//   = 17,547,264 bytes per expert, 896 experts x 92 layers. 16 experts run per token and layer, so a
+//   token touches 16 x 17.5 MB = 281 MB of MXFP4 per MoE layer, 25.8 GB over the 92 MoE layers.
+//
+// CONCEPTS
+//   E2M1    a 4-bit float: 1 sign, 2 exponent, 1 mantissa bit. Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6;
+//           8..15 the same with the sign set (8 is -0). OCP Microscaling (MX) v1.0.
+//   E8M0    an 8-bit power of two: byte s means 2^(s-127). s = 0 is 2^-127, a float32 DENORMAL (keep
+//           denormals on); s = 255 is NaN in the OCP spec and is refused at load.
+//   block   32 consecutive weights of one row share one scale.
+//
+// BIT LAYOUT (compressed-tensors "mxfp4-pack-quantized", as in the release)
+//
+//   E2M1 code:   bit 3   bits 2-1    bit 0
+//               +------+-----------+--------+      value = (-1)^s * { m/2           if e = 0
+//               | sign | exponent  |mantissa|                       { 2^(e-1)(1+m/2) if e > 0
+//               +------+-----------+--------+
+//
+//   weight_packed row r (in/2 bytes), one block = 16 bytes = 32 weights:
+//
+//     byte j:   7      4 3      0
+//              +--------+--------+
+//              | col 2j+1| col 2j |      LOW nibble = EVEN column, HIGH nibble = ODD column
+//              +--------+--------+
+//
+//   weight_scale row r (in/32 bytes): byte g is the E8M0 scale of columns 32g .. 32g+31.
+//   W[r][c] = E2M1(code(r, c)) * 2^(scale[r][c / 32] - 127), exact in f32 (and in bf16).
+//
+//   Worked by hand (a 2 x 32 matrix, the test "5.3 hand-worked 2x32"):
+//     row 0: scale byte 128 (x2); packed byte 0 = 0x72 -> col 0 code 2 (1.0) -> 2.0, col 1 code 7
+//            (6.0) -> 12.0; bytes 1..15 = 0x00 -> zeros. With x = (1, 1, 0, ...): y0 = 2 + 12 = 14.
+//     row 1: scale byte 126 (x0.5); packed byte 15 = 0x9A -> col 30 code 0xA (-1.0) -> -0.5, col 31
+//            code 9 (-0.5) -> -0.25; with x30 = 4, x31 = 8: y1 = -2 + -2 = -4.
+//     A swapped nibble order would give y0 = 12*1 + 2*1 = 14 too (symmetric x), but row 1 would be
+//     -0.25*4 + -0.5*8 = -5: only a positional test catches the swap (trap 5.1.6).
+//
+// NUMERICS CONTRACT
+//   w = e2m1(code) * scale (one rounding, exact unless it overflows to Inf at scale >= 2^126), then
+//   exactly the lanes of chapter 00: lane l = sum over i = l, l+16, ... of (w_i * x_i), hsum16 at the
+//   end. Hence matvec_mxfp4(W) has the same bits as a f32 matvec over the dequantized W (a test).
+//   `in` must be a multiple of 32. Scales of 255 are refused by check_e8m0_scales before any matvec.
+//   Rows split across threads; T tokens at once give per token the bits of a single matvec.
+//
+// USES     chapter 00 (lanes, hsum16, shim, parallel_rows)
+// RUN      make run-05        TEST   make test-05        BENCH   make bench
+//
+// SECTIONS
+//   5.1 E2M1 codes     5.2 E8M0 scales      5.3 dequantizing     5.4 the reference matvec
+//   5.5 the xsimd kernel                    5.6 the AVX2 kernel  5.7 dispatch
+// ====================================================================================================
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "00_numerics.hpp"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 5.1 E2M1 codes (OCP MX v1.0, table "FP4 E2M1")
+// ---------------------------------------------------------------------------------------------------
+inline constexpr std::array<float, 16> kE2M1 = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline constexpr int kMxBlock = 32;  // weights per shared scale
+
+// ---------------------------------------------------------------------------------------------------
+// 5.2 E8M0 scales
+// ---------------------------------------------------------------------------------------------------
+// Byte s -> 2^(s-127) by building the float bits: exponent field s for s >= 1; for s = 0 the value
+// 2^-127 is the denormal with only mantissa bit 22 set. (s = 255 would be Inf here; it never gets
+// this far: check_e8m0_scales refuses it when the weights are loaded.)
+inline float e8m0_to_f32(std::uint8_t s) {
+    return s == 0 ? std::bit_cast<float>(0x00400000u) : std::bit_cast<float>(std::uint32_t(s) << 23);
+}
+
+// The same 256 values as a table: the kernels look a block's scale up with one load.
+struct E8M0Table {
+    float value[256];
+    E8M0Table() {
+        for (int s = 0; s < 256; ++s) value[s] = e8m0_to_f32(std::uint8_t(s));
+    }
+};
+inline const E8M0Table kE8M0;
+
+// Refuses a scale byte of 255 (NaN in the OCP spec), naming the tensor and the first bad position.
+inline void check_e8m0_scales(const std::uint8_t* scales, std::size_t n, const std::string& name) {  // scales (n)
+    const void* bad = std::memchr(scales, 0xFF, n);
+    if (bad)
+        fail(ErrorKind::format, "tensor '" + name + "': E8M0 scale byte 255 (NaN in OCP MX) at index " +
+                                    std::to_string(static_cast<const std::uint8_t*>(bad) - scales));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 5.3 Dequantizing (for tests and teaching; the engine never widens a whole matrix)
+// ---------------------------------------------------------------------------------------------------
+inline float mxfp4_weight(const std::uint8_t* packed_row, const std::uint8_t* scale_row, std::size_t c) {
+    const std::uint8_t byte = packed_row[c / 2];
+    const std::uint8_t code = (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);  // low nibble = even column
+    return kE2M1[code] * e8m0_to_f32(scale_row[c / kMxBlock]);
+}
+
+inline void dequantize_mxfp4(float* w, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t rows,
+                             std::size_t cols) {  // w (out, in), packed (out, in/2), scales (out, in/32)
+    require_multiple("dequantize_mxfp4", "in", cols, kMxBlock);
+    for (std::size_t r = 0; r < rows; ++r)
+        for (std::size_t c = 0; c < cols; ++c)
+            w[r * cols + c] = mxfp4_weight(packed + r * cols / 2, scales + r * cols / kMxBlock, c);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 5.4 The reference matvec (T tokens; T = 1 is the matvec)
+// ---------------------------------------------------------------------------------------------------
+inline float dot_mxfp4_ref(const std::uint8_t* packed_row, const std::uint8_t* scale_row, const float* x,
+                           std::size_t cols) {  // packed_row (in/2), scale_row (in/32), x (in)
+    float acc[kLanes] = {};
+    for (std::size_t c = 0; c < cols; ++c) {
+        const float w = mxfp4_weight(packed_row, scale_row, c);
+        acc[c % kLanes] = acc[c % kLanes] + w * x[c];
+    }
+    return hsum16(acc);
+}
+
+inline void matmul_mxfp4_ref(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                             std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        for (std::size_t r = r0; r < r1; ++r)
+            for (std::size_t t = 0; t < tokens; ++t)
+                y[t * rows + r] = dot_mxfp4_ref(packed + r * cols / 2, scales + r * cols / kMxBlock, x + t * cols, cols);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 5.5 The xsimd kernel
+// ---------------------------------------------------------------------------------------------------
+// Getting nibbles into lanes without a byte-widening instruction (xsimd 8.1 has none): broadcast one
+// 32-bit word of packed bytes (8 codes, columns 8w .. 8w+7 in nibble order 0..7, because the low
+// nibble of each byte is the even column) to every lane, then shift lane j right by 4*(j + k) (k = 0,
+// or 4 for the upper half of the word when W = 4). Lane j then holds the code of column 8w + k + j in
+// its low 4 bits: the NATURAL lane order, so x needs no permutation (compare chapter 04).
+//
+//   word (4 bytes):  [b3 b2 b1 b0] = nibbles  n7 n6 n5 n4 n3 n2 n1 n0   (n0 = column 8w)
+//   broadcast, >> (0,4,8,...,28):   lane j = ...n_j  ->  code of column 8w + j
+//
+// Decoding a 3-bit magnitude m in registers, without a table lookup (xsimd 8.1 has no dynamic one):
+//   m >= 2:  f32 bits = (m << 22) + 0x3F000000   (e = m>>1 lands in the exponent, the mantissa bit
+//            in bit 22: m=2 -> 0x3F800000 = 1.0, m=7 -> 0x40C00000 = 6.0)
+//   m = 1:   0x3F000000 = 0.5;   m = 0: 0
+//   sign:    bit 3 of the code moved to bit 31.
+namespace detail {
+
+template <class U> inline simd::f32 decode_e2m1(U t) {  // t: codes in the low 4 bits of each lane
+    const U mag = t & simd::splat_u32(7u);
+    const U sign = (t & simd::splat_u32(8u)) << 28;
+    const U big = (mag << 22) + simd::splat_u32(0x3F000000u);
+    const U small = (simd::splat_u32(0u) - mag) & simd::splat_u32(0x3F000000u);  // m=1 -> 0.5, m=0 -> 0
+    const U bits = xsimd::select(mag > simd::splat_u32(1u), big, small);
+    return simd::as_f32(bits | sign);
+}
+
+// Per-lane right shifts 0, 4, 8, ... for the W lanes that take nibbles k .. k+W-1 of a word.
+inline simd::u32 nibble_shifts(int k) {
+    alignas(32) std::uint32_t s[8];
+    for (int j = 0; j < simd::W; ++j) s[j] = std::uint32_t(4 * (k + j));
+    return simd::load_u32(s);
+}
+
+inline std::uint32_t load_word(const std::uint8_t* p) {
+    std::uint32_t w;
+    std::memcpy(&w, p, 4);
+    return w;
+}
+
+template <int R, int NT>
+inline void mxfp4_block_simd(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                             const std::uint8_t* packed, const std::uint8_t* scales, std::size_t cols) {
+    // y (NT, stride) at row 0, x (NT, in), packed (R, in/2), scales (R, in/32)
+    constexpr int A = simd::kBatchesPer16;  // registers per 16 lanes
+    constexpr int PerWord = 8 / simd::W;    // registers one 8-code word fills
+    simd::u32 shift[PerWord];
+    for (int k = 0; k < PerWord; ++k) shift[k] = nibble_shifts(k * simd::W);
+    simd::f32 acc[R][NT][A];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t)
+            for (int a = 0; a < A; ++a) acc[r][t][a] = simd::splat(0.0f);
+    for (std::size_t b = 0; b < cols / kMxBlock; ++b) {            // one MX block: 32 columns, 4 words
+        simd::f32 w[R][4 * PerWord];                                // the block's 32 weights per row
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+            const std::uint8_t* prow = packed + std::size_t(r) * (cols / 2) + b * (kMxBlock / 2);
+            const simd::f32 scale = simd::splat(kE8M0.value[scales[std::size_t(r) * (cols / kMxBlock) + b]]);
+            KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
+                const simd::u32 bits = simd::splat_u32(load_word(prow + 4 * word));
+                KIMIK3_UNROLL for (int k = 0; k < PerWord; ++k)
+                    w[r][word * PerWord + k] = decode_e2m1(bits >> shift[k]) * scale;
+            }
+        }
+        // Register i of the block covers columns 32b + i*W ..; it belongs to logical lanes (i*W) % 16,
+        // i.e. accumulator i % A, and the two halves of the block reach it in column order.
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+            KIMIK3_UNROLL for (int i = 0; i < 4 * PerWord; ++i) {
+                const simd::f32 xv = simd::load(x + std::size_t(t) * x_stride + b * kMxBlock + std::size_t(i * simd::W));
+                KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t][i % A] = acc[r][t][i % A] + w[r][i] * xv;
+            }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[r][t][a]);
+            y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
+        }
+}
+
+// The row/token tiling shared by the xsimd and AVX2 kernels: four rows at a time for one token, four
+// tokens at a time for several. BLOCK<R, NT> is the kernel's inner function.
+template <template <int, int> class Block>
+inline void mxfp4_tiles(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                        std::size_t tokens, std::size_t rows, std::size_t cols) {
+    const std::size_t prow = cols / 2, srow = cols / kMxBlock;
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        if (tokens == 1) {
+            std::size_t r = r0;
+            for (; r + 4 <= r1; r += 4) Block<4, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
+            for (; r < r1; ++r) Block<1, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
+            return;
+        }
+        for (std::size_t r = r0; r < r1; ++r) {
+            std::size_t t = 0;
+            for (; t + 4 <= tokens; t += 4)
+                Block<1, 4>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);
+            for (; t < tokens; ++t)
+                Block<1, 1>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);
+        }
+    });
+}
+
+template <int R, int NT> struct SimdBlock {
+    static void run(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
+        mxfp4_block_simd<R, NT>(y, ys, x, xs, p, s, cols);
+    }
+};
+
+}  // namespace detail
+
+// Bit-identical to matmul_mxfp4_ref. Structural difference: codes are decoded W at a time in
+// registers (broadcast word, per-lane shift, arithmetic decode) and several rows or tokens share loads.
+inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                              std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    detail::mxfp4_tiles<detail::SimdBlock>(y, x, packed, scales, tokens, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 5.6 The AVX2 kernel (a whole function for one ISA, as STYLE 5.1 allows)
+// ---------------------------------------------------------------------------------------------------
+// Why a second SIMD kernel: the arithmetic decode of 5.5 costs ~10 instructions per 8 weights; AVX2's
+// vpermps looks up 8 floats by the low 3 bits of each lane in one instruction. Each block's scale is
+// folded into that 8-entry table once (8 multiplies per 32 weights), and the sign is XORed in:
+//   w = table_scaled[code & 7] ^ ((code & 8) << 28)
+// This gives the same bits as e2m1(code) * scale: IEEE multiplication is symmetric in sign, and -0
+// (code 8) comes out as +0 with the sign bit set, i.e. -0. On this project's AVX2 machine it measured
+// ~2x the xsimd kernel (see make bench); an AVX-512 version (vpermps on 16 lanes) is left out because no
+// machine here can run it, and untested code does not ship.
+#if defined(__AVX2__)
+inline constexpr bool kHaveAvx2Kernel = true;
+
+namespace detail {
+
+template <int R, int NT>
+inline void mxfp4_block_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                             const std::uint8_t* packed, const std::uint8_t* scales, std::size_t cols) {
+    // y (NT, stride) at row 0, x (NT, in), packed (R, in/2), scales (R, in/32)
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i shift_code = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);   // nibble j -> bits 0..3
+    const __m256i shift_sign = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);   // nibble j's bit 3 -> bit 31
+    const __m256i sign_bit = _mm256_set1_epi32(int(0x80000000u));
+    __m256 acc[R][NT][2];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (std::size_t b = 0; b < cols / kMxBlock; ++b) {             // one MX block: 32 columns, 4 words
+        __m256 w[R][4];
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+            // the block's scale folded into the 8-entry magnitude table: 8 multiplies per 32 weights
+            const __m256 table_scaled =
+                _mm256_mul_ps(table, _mm256_set1_ps(kE8M0.value[scales[std::size_t(r) * (cols / kMxBlock) + b]]));
+            const std::uint8_t* p = packed + std::size_t(r) * (cols / 2) + b * (kMxBlock / 2);
+            KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
+                const __m256i bits = _mm256_set1_epi32(int(load_word(p + 4 * word)));
+                const __m256i code = _mm256_srlv_epi32(bits, shift_code);                  // low 3 bits used
+                const __m256i sign = _mm256_and_si256(_mm256_sllv_epi32(bits, shift_sign), sign_bit);
+                w[r][word] = _mm256_xor_ps(_mm256_permutevar8x32_ps(table_scaled, code), _mm256_castsi256_ps(sign));
+            }
+        }
+        // word k holds columns 32b + 8k .. 8k+7: logical lanes 0..7 for even k, 8..15 for odd k
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+            KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
+                const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * x_stride + b * kMxBlock + std::size_t(8 * word));
+                KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+                    acc[r][t][word % 2] = _mm256_add_ps(acc[r][t][word % 2], _mm256_mul_ps(w[r][word], xv));
+            }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            _mm256_storeu_ps(lanes, acc[r][t][0]);
+            _mm256_storeu_ps(lanes + 8, acc[r][t][1]);
+            y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
+        }
+}
+
+template <int R, int NT> struct Avx2Block {
+    static void run(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
+        mxfp4_block_avx2<R, NT>(y, ys, x, xs, p, s, cols);
+    }
+};
+
+}  // namespace detail
+
+// Bit-identical to matmul_mxfp4_ref (see above for why the table-with-scale gives the same bits).
+inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                              std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    detail::mxfp4_tiles<detail::Avx2Block>(y, x, packed, scales, tokens, rows, cols);
+}
+#else
+inline constexpr bool kHaveAvx2Kernel = false;
+
+inline void matmul_mxfp4_avx2(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t,
+                              std::size_t) {
+    fail(ErrorKind::runtime, "matmul_mxfp4_avx2: this build has no AVX2 (compile with -mavx2 or -march=native)");
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// 5.7 Dispatch: the reference under KIMIK3_SCALAR, else AVX2 when compiled in, else xsimd
+// ---------------------------------------------------------------------------------------------------
+inline void matmul_mxfp4(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                         std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    if (!use_simd) matmul_mxfp4_ref(y, x, packed, scales, tokens, rows, cols);
+    else if (kHaveAvx2Kernel) matmul_mxfp4_avx2(y, x, packed, scales, tokens, rows, cols);
+    else matmul_mxfp4_simd(y, x, packed, scales, tokens, rows, cols);
+}
+
+inline void matvec_mxfp4(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                         std::size_t rows, std::size_t cols) {  // y (out), x (in), packed (out, in/2), scales (out, in/32)
+    matmul_mxfp4(y, x, packed, scales, 1, rows, cols);
+}
+
+}  // namespace kimik3
