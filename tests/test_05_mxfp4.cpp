@@ -62,7 +62,9 @@ TEST_CASE("5.2 all 16 codes x all 255 valid scales decode exactly, in the refere
         std::vector<float> x(32, 1.0f), ref(1), got(1);
         if (s >= 253) continue;  // 4 * 2^126 and up overflow to Inf; Inf + -Inf would make NaN
         matmul_mxfp4_ref(ref.data(), x.data(), packed.data(), &scale, 1, 1, 32);
-        for (auto [name, fn] : fast_paths()) {
+        for (const auto& path : fast_paths()) {
+            const char* name = path.first;  // (clang 14 cannot capture structured bindings)
+            const MatmulFn fn = path.second;
             fn(got.data(), x.data(), packed.data(), &scale, 1, 1, 32);
             CAPTURE(name);
             CAPTURE(s);
@@ -82,7 +84,9 @@ TEST_CASE("5.3 hand-worked 2x32: low nibble = even column, and a swapped order w
     matmul_mxfp4_ref(y.data(), x.data(), packed.data(), scales.data(), 1, 2, 32);
     CHECK(y[0] == 14.0f);   // 2*1 + 12*1
     CHECK(y[1] == -4.0f);   // -0.5*4 + -0.25*8; the swapped nibble order would give -0.25*4 + -0.5*8 = -5
-    for (auto [name, fn] : fast_paths()) {
+    for (const auto& path : fast_paths()) {
+        const char* name = path.first;  // (clang 14 cannot capture structured bindings)
+        const MatmulFn fn = path.second;
         fn(y.data(), x.data(), packed.data(), scales.data(), 1, 2, 32);
         CAPTURE(name);
         CHECK(y[0] == 14.0f);
@@ -129,7 +133,9 @@ TEST_CASE("5.5 5.6 every fast path is bit-identical to the reference over shapes
                 x[0] = 1e30f;                               // keeps the denormal block visible
                 std::vector<float> ref(tokens * rows), got(tokens * rows);
                 matmul_mxfp4_ref(ref.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
-                for (auto [name, fn] : fast_paths()) {
+                for (const auto& path : fast_paths()) {
+                    const char* name = path.first;  // (clang 14 cannot capture structured bindings)
+                    const MatmulFn fn = path.second;
                     fn(got.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
                     CAPTURE(name);
                     CAPTURE(rows);
