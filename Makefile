@@ -93,9 +93,10 @@ $(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< $(BUILD)/tests/main.o -o $@ $(LDFLAGS)
 
-# test: every chapter's tests plus the fixture freshness check; tests/run.sh prints "N passed, N failed".
-test: deps $(TEST_BINS)
-	@tests/run.sh $(TEST_BINS) tests/fixtures_fresh.sh
+# test: every chapter's tests, the command-line tests and the fixture freshness check; tests/run.sh
+# prints "N passed, N failed" last.
+test: deps $(TEST_BINS) $(CLI)
+	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/fixtures_fresh.sh
 
 # test-NN: one chapter, e.g. make test-05.
 test-%: deps
@@ -154,6 +155,7 @@ bench: deps $(BENCH)
 # caught.
 fixtures:
 	$(PYTHON) tools/make_kernel_fixtures.py --out fixtures/kernels
+	$(PYTHON) tools/make_release_config.py --out fixtures/k3-release/config.json
 	@[ ! -f tools/make_tiny_k3.py ] || $(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
 	@[ ! -f tools/make_tiny_k3_reference.py ] || $(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
 	sha256sum tools/*.py > fixtures/generators.sha256

@@ -636,68 +636,88 @@ class Checkpoint {
 // ---------------------------------------------------------------------------------------------------
 // The writer lays tensors out in the order they were added, contiguous, pads the header with spaces to a
 // multiple of 8, and writes to `path.tmp` before renaming, so an interrupted write never leaves a
-// half-written file under the real name.
+// half-written file under the real name. `add_sparse` declares a tensor without data: its bytes are a
+// hole in the file (ftruncate), which lets tests build a header-only checkpoint of real K3 size on no disk.
 class SafetensorsWriter {
   public:
     void add(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t nbytes) {
-        if (std::uint64_t(shape.numel()) * dtype_size(dtype) != nbytes)
+        const std::uint64_t need = std::uint64_t(shape.numel()) * dtype_size(dtype);
+        if (need != nbytes)
             fail(ErrorKind::usage, "SafetensorsWriter: tensor '" + name + "' has " + std::to_string(nbytes) +
-                                       " bytes but shape " + shape.str() + " needs " +
-                                       std::to_string(std::uint64_t(shape.numel()) * dtype_size(dtype)));
+                                       " bytes but shape " + shape.str() + " needs " + std::to_string(need));
         const auto* p = static_cast<const std::byte*>(data);
-        entries_.push_back({name, dtype, shape, std::vector<std::byte>(p, p + nbytes)});
+        entries_.push_back({name, dtype, shape, std::vector<std::byte>(p, p + nbytes), false});
     }
     template <class T> void add(const std::string& name, DType dtype, const Shape& shape, const std::vector<T>& v) {
         add(name, dtype, shape, v.data(), v.size() * sizeof(T));
     }
+    void add_sparse(const std::string& name, DType dtype, const Shape& shape) {
+        entries_.push_back({name, dtype, shape, {}, true});
+    }
     void metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
-    // The whole file as bytes (tests corrupt these on purpose).
-    std::vector<std::byte> bytes() const {
+    // The 8-byte length plus the padded JSON header; the data section follows it.
+    std::string header_bytes() const {
         nlohmann::ordered_json h = nlohmann::ordered_json::object();
         if (!metadata_.empty()) h["__metadata__"] = metadata_;
         std::uint64_t off = 0;
         for (const auto& e : entries_) {
             nlohmann::ordered_json shape = nlohmann::ordered_json::array();
             for (int i = 0; i < e.shape.rank; ++i) shape.push_back(e.shape[i]);
-            h[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", shape}, {"data_offsets", {off, off + e.data.size()}}};
-            off += e.data.size();
+            h[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", shape}, {"data_offsets", {off, off + e.nbytes()}}};
+            off += e.nbytes();
         }
         std::string text = h.dump();
         text.resize(round_up(text.size(), 8), ' ');
-        std::vector<std::byte> out(8 + text.size() + off);
-        const std::uint64_t n = text.size();
-        for (int i = 0; i < 8; ++i) out[std::size_t(i)] = std::byte((n >> (8 * i)) & 0xFF);
-        std::memcpy(out.data() + 8, text.data(), text.size());
-        std::size_t pos = 8 + text.size();
+        std::string out(8, '\0');
+        for (int i = 0; i < 8; ++i) out[std::size_t(i)] = char((std::uint64_t(text.size()) >> (8 * i)) & 0xFF);
+        return out + text;
+    }
+
+    // The whole file as bytes (tests corrupt these on purpose). Not for sparse tensors.
+    std::vector<std::byte> bytes() const {
+        const std::string head = header_bytes();
+        std::vector<std::byte> out(head.size());
+        std::memcpy(out.data(), head.data(), head.size());
         for (const auto& e : entries_) {
-            if (!e.data.empty()) std::memcpy(out.data() + pos, e.data.data(), e.data.size());
-            pos += e.data.size();
+            if (e.sparse) fail(ErrorKind::usage, "SafetensorsWriter::bytes: tensor '" + e.name + "' is sparse; use write()");
+            out.insert(out.end(), e.data.begin(), e.data.end());
         }
         return out;
     }
 
-    void write(const std::string& path) const { write_file_atomic(path, bytes()); }
-
-    static void write_file_atomic(const std::string& path, std::span<const std::byte> data) {
+    void write(const std::string& path) const {
         const std::string tmp = path + ".tmp";
         const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd < 0) fail(ErrorKind::io, tmp + ": cannot create: " + errno_text(errno));
-        std::size_t done = 0;
-        while (done < data.size()) {
-            const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
-            if (w < 0 && errno == EINTR) continue;
-            if (w <= 0) {
-                const int e = errno;
-                ::close(fd);
-                ::unlink(tmp.c_str());
-                fail(ErrorKind::io, tmp + ": write failed: " + errno_text(e));
-            }
-            done += std::size_t(w);
-        }
-        if (::fsync(fd) != 0 || ::close(fd) != 0) {
+        auto bail = [&](const std::string& what) {
+            const int e = errno;
+            ::close(fd);
             ::unlink(tmp.c_str());
-            fail(ErrorKind::io, tmp + ": could not be flushed to disk");
+            fail(ErrorKind::io, tmp + ": " + what + ": " + errno_text(e));
+        };
+        const std::string head = header_bytes();
+        std::uint64_t pos = 0;
+        auto put = [&](const void* p, std::size_t n) {
+            std::size_t done = 0;
+            while (done < n) {
+                const ssize_t w = ::pwrite(fd, static_cast<const char*>(p) + done, n - done, off_t(pos + done));
+                if (w < 0 && errno == EINTR) continue;
+                if (w <= 0) bail("write failed");
+                done += std::size_t(w);
+            }
+        };
+        put(head.data(), head.size());
+        pos = head.size();
+        for (const auto& e : entries_) {
+            if (!e.sparse) put(e.data.data(), e.data.size());
+            pos += e.nbytes();
+        }
+        if (::ftruncate(fd, off_t(pos)) != 0) bail("could not set the file size");
+        if (::fsync(fd) != 0) bail("could not be flushed to disk");
+        if (::close(fd) != 0) {
+            ::unlink(tmp.c_str());
+            fail(ErrorKind::io, tmp + ": close failed");
         }
         if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::io, path + ": rename failed: " + errno_text(errno));
     }
@@ -708,6 +728,8 @@ class SafetensorsWriter {
         DType dtype;
         Shape shape;
         std::vector<std::byte> data;
+        bool sparse;
+        std::uint64_t nbytes() const { return std::uint64_t(shape.numel()) * dtype_size(dtype); }
     };
     std::vector<Entry> entries_;
     std::map<std::string, std::string> metadata_;
