@@ -74,7 +74,7 @@ deps:
 all: deps $(TEST_BINS) $(EX_BINS) $(CLI) $(BENCH)
 
 # ---- the command-line program (examples/kimik3.cpp) -------------------------------------------------
-$(CLI): examples/kimik3.cpp $(HEADERS) | deps
+$(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 

@@ -6,3 +6,5 @@
 #include "chapters/03_norms.hpp"        // RMSNorm, the KDA L2 norm, the gated per-head norm
 #include "chapters/04_matvec_bf16.hpp"  // y = W x with bf16 weights, bit-identical at any SIMD width
 #include "chapters/05_mxfp4.hpp"        // the experts' 4-bit floats, decoded exactly, multiplied in place
+#include "chapters/06_situ_ffn.hpp"     // SiTU-GLU; the dense FFN (bf16) and one routed expert (MXFP4)
+#include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers

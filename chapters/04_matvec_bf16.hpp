@@ -42,12 +42,14 @@
 //
 // SECTIONS
 //   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernel      4.4 dispatch
+//   4.5 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
 // ====================================================================================================
 #pragma once
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "00_numerics.hpp"
@@ -65,13 +67,15 @@ inline float dot_bf16_ref(const bf16* w, const float* x, std::size_t n) {  // w 
     return hsum16(acc);
 }
 
-// y = W x for T tokens: Y[t][r] = dot(W[r], X[t]). T = 1 is the plain matvec.
+// y = W x for T tokens: Y[t][r] = dot(W[r], X[t]). T = 1 is the plain matvec. Token t's outputs start
+// at y + t * ldy (ldy = out unless the caller writes a slice of a wider output, see 4.5).
 inline void matmul_bf16_ref(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
-                            std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
+                            std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
     require_multiple("matvec_bf16", "in", cols, kLanes);
+    if (ldy == 0) ldy = rows;
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         for (std::size_t r = r0; r < r1; ++r)
-            for (std::size_t t = 0; t < tokens; ++t) y[t * rows + r] = dot_bf16_ref(w + r * cols, x + t * cols, cols);
+            for (std::size_t t = 0; t < tokens; ++t) y[t * ldy + r] = dot_bf16_ref(w + r * cols, x + t * cols, cols);
     });
 }
 
@@ -152,22 +156,23 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // Bit-identical to matmul_bf16_ref. The structural difference: lanes live in registers in the even/odd
 // order of 4.2, and rows (one token) or tokens (several) are processed four at a time.
 inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
-                             std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
+                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
     require_multiple("matvec_bf16", "in", cols, kLanes);
+    if (ldy == 0) ldy = rows;
     std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
     for (std::size_t t = 0; t < tokens; ++t) detail::permute_input(xp.data() + t * cols, x + t * cols, cols);
     const float* xpp = xp.data();
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         if (tokens == 1) {
             std::size_t r = r0;
-            for (; r + 4 <= r1; r += 4) detail::bf16_block<4, 1>(y + r, rows, xpp, cols, w + r * cols, cols);
-            for (; r < r1; ++r) detail::bf16_block<1, 1>(y + r, rows, xpp, cols, w + r * cols, cols);
+            for (; r1 - r >= 4; r += 4) detail::bf16_block<4, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
+            for (; r < r1; ++r) detail::bf16_block<1, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
             return;
         }
         for (std::size_t r = r0; r < r1; ++r) {
             std::size_t t = 0;
-            for (; t + 4 <= tokens; t += 4) detail::bf16_block<1, 4>(y + t * rows + r, rows, xpp + t * cols, cols, w + r * cols, cols);
-            for (; t < tokens; ++t) detail::bf16_block<1, 1>(y + t * rows + r, rows, xpp + t * cols, cols, w + r * cols, cols);
+            for (; tokens - t >= 4; t += 4) detail::bf16_block<1, 4>(y + t * ldy + r, ldy, xpp + t * cols, cols, w + r * cols, cols);
+            for (; t < tokens; ++t) detail::bf16_block<1, 1>(y + t * ldy + r, ldy, xpp + t * cols, cols, w + r * cols, cols);
         }
     });
 }
@@ -180,12 +185,41 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
 // 4.4 Dispatch
 // ---------------------------------------------------------------------------------------------------
 inline void matmul_bf16(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
-                        std::size_t cols) {  // y (T, out), x (T, in), w (out, in)
-    use_simd ? matmul_bf16_simd(y, x, w, tokens, rows, cols) : matmul_bf16_ref(y, x, w, tokens, rows, cols);
+                        std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    use_simd ? matmul_bf16_simd(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_ref(y, x, w, tokens, rows, cols, ldy);
 }
 
 inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
     matmul_bf16(y, x, w, 1, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 4.5 Matrices that arrive in pieces
+// ---------------------------------------------------------------------------------------------------
+// A weight matrix is either resident (one pointer) or streamed: chapter 12 delivers its rows in chunks
+// through a small ring of buffers, so that K3's 2.35 GB lm_head or 1.45 GB dense down-projection needs
+// only a few MB of memory at a time. Every output row's dot product is computed on its own (4.1), so
+// cutting the rows into chunks cannot change a bit of y: `linear` is the same function either way.
+struct RowStream {
+    virtual ~RowStream() = default;
+    // Calls f(r0, r1, rows) for consecutive chunks that cover [0, total rows) in order; `rows` points at
+    // row r0 and stays valid until f returns.
+    virtual void for_each_chunk(const std::function<void(std::size_t r0, std::size_t r1, const bf16* rows)>& f) = 0;
+};
+
+struct MatrixRef {
+    const bf16* data = nullptr;    // (rows, cols) row-major, when resident
+    RowStream* stream = nullptr;   // otherwise: rows arrive in chunks
+    std::size_t rows = 0, cols = 0;
+};
+
+// y = W x for T tokens, wherever W's rows live.
+inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
+    if (w.data) return matmul_bf16(y, x, w.data, tokens, w.rows, w.cols);
+    if (!w.stream) fail(ErrorKind::runtime, "linear: a matrix with neither data nor a stream");
+    w.stream->for_each_chunk([&](std::size_t r0, std::size_t r1, const bf16* rows) {
+        matmul_bf16(y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
+    });
 }
 
 }  // namespace kimik3

@@ -241,14 +241,20 @@ inline void mxfp4_tiles(float* y, const float* x, const std::uint8_t* packed, co
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         if (tokens == 1) {
-            std::size_t r = r0;
-            for (; r + 4 <= r1; r += 4) Block<4, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
-            for (; r < r1; ++r) Block<1, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
+            for (std::size_t r = r0; r < r1;) {
+                if (r1 - r >= 4) {
+                    Block<4, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
+                    r += 4;
+                } else {
+                    Block<1, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
+                    r += 1;
+                }
+            }
             return;
         }
         for (std::size_t r = r0; r < r1; ++r) {
             std::size_t t = 0;
-            for (; t + 4 <= tokens; t += 4)
+            for (; tokens - t >= 4; t += 4)
                 Block<1, 4>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);
             for (; t < tokens; ++t)
                 Block<1, 1>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);

@@ -1,130 +1,64 @@
-// kimik3: the command-line program.
+// kimik3: the command-line program. Each command lives in examples/cli/NAME.hpp; this file only
+// dispatches and turns errors into exit codes (see cli/common.hpp).
 //
 //   kimik3 inspect MODEL_DIR     config summary, layer schedule and census of a checkpoint
 //   kimik3 --help | help CMD
-//
-// Exit codes (the same for every command): 0 ok; 1 runtime failure; 2 usage error or a refused config
-// or checkpoint; 3 memory budget refused; 4 a weight read failed (no tokens are printed after it).
 #include <cstdio>
-#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
-#include "../kimik3.hpp"
+#include "cli/common.hpp"
+#include "cli/inspect.hpp"
 
 using namespace kimik3;
+using namespace kimik3::cli;
 
 namespace {
 
-constexpr int kExitOk = 0, kExitRuntime = 1, kExitUsage = 2, kExitBudget = 3, kExitRead = 4;
-
-const char* kUsage =
-    "usage: kimik3 COMMAND [ARGS]\n"
-    "\n"
-    "commands:\n"
-    "  inspect MODEL_DIR   print the config summary, the layer schedule and a census of the checkpoint\n"
-    "  help [COMMAND]      this text, or one command's\n"
-    "\n"
-    "exit codes: 0 ok, 1 runtime failure, 2 usage error or refused config/checkpoint,\n"
-    "            3 memory budget refused, 4 a weight read failed\n";
-
-const char* kInspectUsage =
-    "usage: kimik3 inspect MODEL_DIR\n"
-    "\n"
-    "Reads MODEL_DIR/config.json and the safetensors shards (through model.safetensors.index.json), checks\n"
-    "every tensor against the config, and prints the schedule (K = KDA, M = MLA per layer) and a census:\n"
-    "bytes per part of the checkpoint, bytes one token must read, and the smallest memory it can run in.\n"
-    "Reads only headers: it is instant even on the 1.56 TB release.\n";
-
-struct Usage : std::runtime_error {
-    using std::runtime_error::runtime_error;
+struct Command {
+    int (*run)(std::vector<std::string>);
+    const char* usage;
+    const char* summary;
 };
 
-std::string thousands(std::uint64_t v) {
-    std::string s = std::to_string(v), out;
-    for (std::size_t i = 0; i < s.size(); ++i) {
-        if (i && (s.size() - i) % 3 == 0) out += ',';
-        out += s[i];
-    }
-    return out;
+const std::map<std::string, Command>& commands() {
+    static const std::map<std::string, Command> c = {
+        {"inspect", {cmd_inspect, kInspectUsage, "print the config summary, the layer schedule and a census of the checkpoint"}},
+    };
+    return c;
 }
 
-int cmd_inspect(const std::vector<std::string>& args) {
-    if (args.size() == 1 && (args[0] == "--help" || args[0] == "-h")) return std::fputs(kInspectUsage, stdout), kExitOk;
-    if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("inspect takes one MODEL_DIR\n\n") + kInspectUsage);
-    const std::string dir = args[0];
-    const Config c = load_config(dir);
-    std::printf("config      %s/config.json\n", dir.c_str());
-    std::printf("  hidden %d, %d layers, vocab %d, rms_norm_eps %g\n", c.hidden_size, c.num_hidden_layers, c.vocab_size,
-                double(c.rms_norm_eps));
-    std::printf("  KDA  %d heads x %d, conv %d, decay lower bound %g\n", c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size,
-                double(c.gate_lower_bound));
-    std::printf("  MLA  %d heads, q_lora %d, kv_lora %d, qk %d+%d (NoPE), v %d: %d floats cached per position\n",
-                c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                c.mla_cache_width());
-    std::printf("  MoE  %d experts, top %d, %d shared (width %d), expert FFN %d, latent %d; dense FFN %d\n", c.num_experts,
-                c.num_experts_per_token, c.num_shared_experts, c.shared_width(), c.moe_intermediate_size,
-                c.routed_expert_hidden_size, c.intermediate_size);
-    std::printf("  SiTU beta %g (gate) / %g (up); AttnRes block %d\n", double(c.situ_beta), double(c.situ_linear_beta),
-                c.attn_res_block_size);
-    std::printf("schedule\n");
-    std::string sched = describe_schedule(c);
-    for (std::size_t p = 0, q; p < sched.size(); p = q + 1) {
-        q = sched.find('\n', p);
-        if (q == std::string::npos) q = sched.size();
-        std::printf("  %s\n", sched.substr(p, q - p).c_str());
+std::string usage() {
+    std::string u = "usage: kimik3 COMMAND [ARGS]   (kimik3 help COMMAND for details)\n\ncommands:\n";
+    for (const auto& [name, c] : commands()) {
+        char line[200];
+        std::snprintf(line, sizeof line, "  %-16s %s\n", name.c_str(), c.summary);
+        u += line;
     }
-    Checkpoint ck(dir);
-    const ModelTensors m = bind_tensors(ck, c);
-    const Census s = take_census(ck, c, m);
-    std::size_t contiguous = 0;
-    for (const auto& layer : m.experts)
-        for (const ExpertLocation& e : layer) contiguous += e.contiguous;
-    std::printf("checkpoint  %zu shards, %s tensors, %s (%s bytes of tensor data); every tensor checked\n", ck.shards().size(),
-                thousands(s.tensors).c_str(), human_bytes(double(s.bytes)).c_str(), thousands(s.bytes).c_str());
-    std::printf("census\n");
-    auto line = [](const char* what, std::uint64_t b, const std::string& note) {
-        std::printf("  %-22s %12s  %20s B  %s\n", what, human_bytes(double(b)).c_str(), thousands(b).c_str(), note.c_str());
-    };
-    line("routed experts", s.expert_bytes_total,
-         thousands(s.expert_count) + " x " + thousands(s.expert_bytes) + " B, " + thousands(contiguous) + " stored contiguously");
-    std::size_t largest = 0;
-    for (std::size_t l = 0; l < s.layer_trunk_bytes.size(); ++l)
-        if (s.layer_trunk_bytes[l] > s.layer_trunk_bytes[largest]) largest = l;
-    line("trunk (per layer)", s.trunk_bytes,
-         std::to_string(c.num_hidden_layers) + " layers, largest layer " + std::to_string(largest) + ": " +
-             human_bytes(double(s.layer_trunk_bytes[largest])));
-    line("embedding", s.embed_bytes, "one row read per token");
-    line("lm_head", s.lm_head_bytes, "");
-    line("final norm + AttnRes", s.final_bytes, "");
-    if (s.other_tensors) line("not text (skipped)", s.other_bytes, thousands(s.other_tensors) + " tensors (vision tower, projector)");
-    line("per token reads", s.per_token_bytes, "trunk + lm_head + 1 embedding row + " + std::to_string(c.num_experts_per_token) +
-                                                     " experts x " + std::to_string(c.moe_layer_count()) +
-                                                     " MoE layers, nothing resident");
-    line("KDA state", s.kda_state_bytes, std::to_string(c.count(AttnKind::KDA)) + " layers (recurrent state + conv history)");
-    line("MLA cache per position", s.mla_cache_bytes_per_token, std::to_string(c.count(AttnKind::MLA)) + " layers x " +
-                                                                    std::to_string(c.mla_cache_width()) + " floats");
-    line("smallest memory", s.floor_bytes(c, 4096), "at a 4096-token context, streaming whole layers");
-    return kExitOk;
+    return u + "\nexit codes: 0 ok, 1 runtime failure, 2 usage error or refused config/checkpoint,\n"
+               "            3 memory budget refused, 4 a weight read failed\n";
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
     std::vector<std::string> args(argv + 1, argv + argc);
-    if (args.empty() || args[0] == "--help" || args[0] == "-h" || (args[0] == "help" && args.size() == 1))
-        return std::fputs(kUsage, args.empty() ? stderr : stdout), args.empty() ? kExitUsage : kExitOk;
-    const std::string cmd = args[0];
+    if (args.empty()) return std::fputs(usage().c_str(), stderr), kExitUsage;
+    if (args[0] == "--help" || args[0] == "-h" || (args[0] == "help" && args.size() == 1))
+        return std::fputs(usage().c_str(), stdout), kExitOk;
+    const std::string cmd = args[0] == "help" ? args[1] : args[0];
+    const auto it = commands().find(cmd);
+    if (it == commands().end()) {
+        std::fprintf(stderr, "kimik3: unknown command '%s'\n\n%s", cmd.c_str(), usage().c_str());
+        return kExitUsage;
+    }
+    if (args[0] == "help") return std::fputs(it->second.usage, stdout), kExitOk;
     args.erase(args.begin());
     try {
-        if (cmd == "help") {
-            if (args[0] == "inspect") return std::fputs(kInspectUsage, stdout), kExitOk;
-            throw Usage("no command '" + args[0] + "'\n\n" + kUsage);
-        }
-        if (cmd == "inspect") return cmd_inspect(args);
-        throw Usage("unknown command '" + cmd + "'\n\n" + kUsage);
+        return it->second.run(args);
     } catch (const Usage& e) {
-        std::fprintf(stderr, "kimik3: %s", e.what());
+        std::fprintf(stderr, "kimik3 %s: %s", cmd.c_str(), e.what());
         return kExitUsage;
     } catch (const Error& e) {
         std::fprintf(stderr, "kimik3 %s: error: %s\n", cmd.c_str(), e.what());

@@ -99,3 +99,38 @@ TEST_CASE("4.4 an input width that is not a multiple of 16 is refused") {
     std::vector<float> x(64, 1.0f), y(2);
     CHECK_THROWS_WITH_AS(matvec_bf16(y.data(), x.data(), w.data(), 2, 24), "matvec_bf16: in = 24 is not a multiple of 16", Error);
 }
+
+namespace {
+// Delivers a resident matrix's rows in chunks of the given sizes (copied, so the kernel sees new memory).
+struct ChunkedRows : RowStream {
+    const bf16* w;
+    std::size_t rows, cols, chunk;
+    int chunks_seen = 0;
+    ChunkedRows(const bf16* w_, std::size_t r, std::size_t c, std::size_t k) : w(w_), rows(r), cols(c), chunk(k) {}
+    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const bf16*)>& f) override {
+        for (std::size_t r0 = 0; r0 < rows; r0 += chunk) {
+            const std::size_t r1 = std::min(rows, r0 + chunk);
+            std::vector<bf16> copy(w + r0 * cols, w + r1 * cols);
+            f(r0, r1, copy.data());
+            ++chunks_seen;
+        }
+    }
+};
+}  // namespace
+
+TEST_CASE("4.5 a matrix streamed in row chunks of any size gives exactly the bits of the resident one") {
+    test::Rng rng(45);
+    const std::size_t rows = 301, cols = 256, tokens = 5;
+    auto w = rng.bf16s(rows * cols);
+    auto x = rng.floats(tokens * cols);
+    std::vector<float> resident(tokens * rows), streamed(tokens * rows);
+    linear(resident.data(), x.data(), tokens, MatrixRef{w.data(), nullptr, rows, cols});
+    for (std::size_t chunk : {1u, 7u, 64u, 300u, 301u, 1000u}) {
+        ChunkedRows s(w.data(), rows, cols, chunk);
+        std::fill(streamed.begin(), streamed.end(), -1.0f);
+        linear(streamed.data(), x.data(), tokens, MatrixRef{nullptr, &s, rows, cols});
+        CAPTURE(chunk);
+        CHECK(s.chunks_seen == int((rows + chunk - 1) / chunk));
+        CHECK_BITS_EQ(streamed, resident);
+    }
+}

@@ -16,6 +16,9 @@ Files
   matvec_bf16.safetensors   4.x y = W x, W bf16 [48, 64], three tokens
   mxfp4.safetensors         5.x y = W x, W MXFP4 [40, 96] in the compressed-tensors layout, with every
                             code present, scale bytes 0 (the 2^-127 denormal) and 100..140, two tokens
+  situ.safetensors          6.1 SiTU-GLU h = [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(b/b2)] on a grid of gate
+                            and up pre-activations spanning +-0.1 .. +-1000 (both soft caps saturate),
+                            with b1 = 4, b2 = 25, and the null-beta variants (b1 = 1, up = identity)
 """
 
 import argparse
@@ -102,6 +105,23 @@ def mxfp4_case(gen):
     return {"packed": packed, "scale": scale, "x": x, "y": f32(y), "w": f32(w)}
 
 
+def situ64(a, b, beta1, beta2):
+    """spec 0.2 in float64: the sigmoid takes the UNCAPPED gate; beta2 = None means the up branch is b."""
+    a, b = a.double(), b.double()
+    gate = beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)
+    up = b if beta2 is None else beta2 * torch.tanh(b / beta2)
+    return gate * up
+
+
+def situ(gen):
+    mags = torch.tensor([0.1, 0.3, 1.0, 2.0, 4.0, 8.0, 20.0, 25.0, 50.0, 100.0, 300.0, 1000.0], dtype=torch.float64)
+    vals = torch.cat([mags, -mags])                       # 24 values, both signs
+    a = vals.repeat_interleave(len(vals))                 # every (a, b) pair: 576 of them
+    b = vals.repeat(len(vals))
+    a, b = f32(a), f32(b)
+    return {"a": a, "b": b, "h": f32(situ64(a, b, 4.0, 25.0)), "h_null_betas": f32(situ64(a, b, 1.0, None))}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output folder, e.g. fixtures/kernels")
@@ -109,7 +129,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     meta = provenance()
-    for name, make, seed in (("norms", norms, 3), ("matvec_bf16", matvec_bf16, 4), ("mxfp4", mxfp4_case, 5)):
+    for name, make, seed in (("norms", norms, 3), ("matvec_bf16", matvec_bf16, 4), ("mxfp4", mxfp4_case, 5), ("situ", situ, 6)):
         gen = torch.Generator().manual_seed(seed)
         path = os.path.join(args.out, f"{name}.safetensors")
         n = st.write(path, make(gen), meta)

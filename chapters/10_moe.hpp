@@ -1,0 +1,267 @@
+// kimik3 chapter 10: moe -- the router, the latent MoE, and where expert weights come from.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Each of K3's 92 MoE layers holds 896 experts and runs 16 per token. This chapter routes a token
+//   (sigmoid scores, a bias that changes WHICH experts are chosen but not HOW MUCH each counts), runs
+//   the chosen experts in a smaller latent space, and combines them in a fixed order, so that neither
+//   the thread count nor the number of experts that fit in memory can change a bit. Expert weights
+//   arrive through an interface, ExpertProvider: this chapter has the trivial all-resident one;
+//   chapter 11 builds the cache that makes the real model fit.
+//   New since chapter 06: routing, top-k with ties, the combine order, latent MoE, grouped fetches.
+//
+// WHERE THIS SITS IN KIMI K3 (spec 3.6, traps 5.1.3, 5.1.4)
+//   x (D = 7168) -> router [896, 7168] -> top 16 -> latent down [3584, 7168] -> 16 experts at L = 3584
+//   -> weighted sum -> RMSNorm (3584) -> latent up [7168, 3584];  + shared experts (6144 wide) on x.
+//   Per token and layer: 281 MB of MXFP4 experts, 379.9 MB of bf16 trunk for the router/latent/shared.
+//
+// CONCEPTS
+//   score s_e = sigmoid(router logit);  selection by s_e + e_score_correction_bias_e (the "aux-loss-free"
+//   bias balances load across experts); weights w_e = s_e / sum of the selected s (renormalised, the
+//   bias left out) times routed_scaling_factor.
+//   latent MoE: experts work on z = W_down x (3584 wide), their weighted sum is RMS-normalised, then
+//   projected up to D. Because of that norm, a global scale on the weights cancels (except via eps).
+//   slot: the position of an expert in a token's top-k list, ordered by biased score (highest first).
+//
+// NUMERICS CONTRACT
+//   logits (T, E) by the bf16 matvec of chapter 04; s = sigmoid(logit) (chapter 00); b = s + bias (f32).
+//   Top-k: b descending, ties to the LOWER expert id; a NaN logit is an error (never a silent order).
+//   denom = 16-lane sum of s over the k slots in slot order (hsum16); w = (s / (denom + 1e-20)) * factor.
+//   y_lat[j] = sum over slots in slot order of w * expert_out[j], starting from +0: never split or
+//   reordered by threads. Experts are computed in groups that fit the provider, each over all the
+//   tokens that chose it (chapter 06: T tokens at once = one at a time, bit for bit).
+//   Then rmsnorm (eps = rms_norm_eps) and the up-projection; y = y_routed + y_shared (one rounding).
+//
+// USES     chapters 00, 02 (Config), 03 (rmsnorm), 04 (linear), 05, 06 (expert_ffn, dense_ffn)
+// RUN      make run-10        TEST   make test-10
+//
+// SECTIONS
+//   10.1 routing     10.2 where experts come from     10.3 the MoE layer     10.4 all-resident experts
+// ====================================================================================================
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "00_numerics.hpp"
+#include "02_config.hpp"
+#include "03_norms.hpp"
+#include "04_matvec_bf16.hpp"
+#include "06_situ_ffn.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 10.1 Routing
+// ---------------------------------------------------------------------------------------------------
+// A sum of up to 16 values in the chapter-00 contract: element i in lane i, then hsum16.
+inline float sum16(const float* v, std::size_t n) {  // v (n): element i -> lane i % 16, any n
+    float acc[kLanes] = {};
+    for (std::size_t i = 0; i < n; ++i) acc[i % kLanes] = acc[i % kLanes] + v[i];
+    return hsum16(acc);
+}
+
+struct Routing {
+    std::size_t tokens = 0, k = 0;
+    std::vector<int> ids;            // (T, K) expert ids in slot order
+    std::vector<float> weights;      // (T, K) combine weights, slot order
+    std::vector<float> scores;       // (T, E) sigmoid scores (kept for examples and tests)
+};
+
+// Routes T tokens from their router logits.
+inline Routing route(const float* logits, const float* bias, std::size_t tokens, std::size_t experts, std::size_t k,
+                     float scaling, int layer) {  // logits (T, E), bias (E)
+    Routing r;
+    r.tokens = tokens;
+    r.k = k;
+    r.ids.resize(tokens * k);
+    r.weights.resize(tokens * k);
+    r.scores.resize(tokens * experts);
+    std::vector<float> biased(experts);
+    std::vector<int> order(experts);
+    for (std::size_t t = 0; t < tokens; ++t) {
+        float* s = &r.scores[t * experts];
+        for (std::size_t e = 0; e < experts; ++e) {
+            const float l = logits[t * experts + e];
+            if (std::isnan(l))
+                fail(ErrorKind::runtime, "layer " + std::to_string(layer) + ": router logit of expert " + std::to_string(e) +
+                                             " is NaN for token " + std::to_string(t));
+            s[e] = sigmoid(l);
+            biased[e] = s[e] + bias[e];  // selection only (trap 5.1.3)
+        }
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + long(k), order.end(), [&](int a, int b) {
+            return biased[std::size_t(a)] > biased[std::size_t(b)] || (biased[std::size_t(a)] == biased[std::size_t(b)] && a < b);
+        });
+        float chosen[kLanes * 4];  // k <= 64 checked by the caller
+        for (std::size_t i = 0; i < k; ++i) chosen[i] = s[order[i]];
+        const float denom = sum16(chosen, k) + 1e-20f;
+        for (std::size_t i = 0; i < k; ++i) {
+            r.ids[t * k + i] = order[i];
+            r.weights[t * k + i] = (chosen[i] / denom) * scaling;  // the UNBIASED scores, renormalised
+        }
+    }
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 10.2 Where experts come from
+// ---------------------------------------------------------------------------------------------------
+// The MoE layer asks for experts by (layer, id) and computes with the weights it gets back; keeping
+// them in memory, reading them from disk, counting hits are the provider's business (chapter 11).
+// Routing never depends on the provider, so every provider gives the same bits.
+struct ExpertProvider {
+    virtual ~ExpertProvider() = default;
+    // How many experts can be in memory at once (at least 1).
+    virtual std::size_t capacity() const = 0;
+    // Makes experts `ids` of `layer` available: out[i] holds ids[i]'s weights until the next fetch.
+    // ids.size() <= capacity(). A read that fails throws (ErrorKind::io): never half-loaded weights.
+    virtual void fetch(int layer, std::span<const int> ids, ExpertWeights* out) = 0;
+    // Marks the start of a new forward step (a token, or a prefill chunk): caches use it to tell
+    // experts kept from an earlier step (retention) from experts fetched within this one.
+    virtual void begin_step() {}
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 10.3 The MoE layer (spec 3.6, steps 1-9)
+// ---------------------------------------------------------------------------------------------------
+struct MoeWeights {
+    MatrixRef router;               // (E, D) gate.weight
+    const float* router_bias;       // (E) gate.e_score_correction_bias, F32
+    MatrixRef latent_down;          // (L, D) routed_expert_down_proj
+    const bf16* latent_norm;        // (L) routed_expert_norm
+    MatrixRef latent_up;            // (D, L) routed_expert_up_proj
+    DenseFfnWeights shared;         // (S, D) gate/up, (D, S) down; rows 0 when there are no shared experts
+};
+
+struct MoeDims {
+    int layer = 0;
+    std::size_t hidden = 0, experts = 0, k = 0, ffn = 0, latent = 0;  // D, E, K, F, L
+    float scaling = 1.0f, eps = 1e-5f;
+    Situ situ;
+
+    static MoeDims from(const Config& c, int layer) {
+        return MoeDims{layer,
+                       std::size_t(c.hidden_size),
+                       std::size_t(c.num_experts),
+                       std::size_t(c.num_experts_per_token),
+                       std::size_t(c.moe_intermediate_size),
+                       std::size_t(c.routed_expert_hidden_size),
+                       c.routed_scaling_factor,
+                       c.rms_norm_eps,
+                       Situ{c.situ_beta, c.situ_linear_beta}};
+    }
+};
+
+// What the layer did, for examples, tests and traces (optional).
+struct MoeRecord {
+    Routing routing;
+    std::vector<float> z, y_lat, y_routed, y_shared;  // (T, L), (T, L), (T, D), (T, D)
+};
+
+inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeWeights& w, const MoeDims& d,
+                        ExpertProvider& provider, MoeRecord* record = nullptr) {  // y (T, D), x (T, D)
+    if (d.k > 64 || d.k > d.experts) fail(ErrorKind::usage, "moe_forward: k = " + std::to_string(d.k) + " is not supported");
+    const std::size_t T = tokens, D = d.hidden, L = d.latent, K = d.k;
+    // 1-3: router logits, scores, selection and weights
+    std::vector<float> logits(T * d.experts);  // (T, E)
+    linear(logits.data(), x, T, w.router);
+    Routing r = route(logits.data(), w.router_bias, T, d.experts, K, d.scaling, d.layer);
+    // 4: the latent down-projection
+    std::vector<float> z(T * L);  // (T, L)
+    linear(z.data(), x, T, w.latent_down);
+    // 5: experts, in groups the provider can hold; each expert runs once over every token that chose it
+    std::map<int, std::vector<std::size_t>> users;  // expert id -> (t * K + slot), in token order
+    for (std::size_t i = 0; i < T * K; ++i) users[r.ids[i]].push_back(i);
+    std::vector<int> unique;
+    for (const auto& [e, u] : users) unique.push_back(e);  // ascending ids
+    std::vector<float> expert_out(T * K * L);               // (T, K, L)
+    const std::size_t group = std::max<std::size_t>(1, provider.capacity());
+    std::vector<ExpertWeights> got(group);
+    std::vector<float> zin, zout;
+    for (std::size_t g0 = 0; g0 < unique.size(); g0 += group) {
+        const std::size_t n = std::min(group, unique.size() - g0);
+        provider.fetch(d.layer, std::span<const int>(unique.data() + g0, n), got.data());
+        for (std::size_t j = 0; j < n; ++j) {
+            const std::vector<std::size_t>& u = users[unique[g0 + j]];
+            zin.resize(u.size() * L);
+            zout.resize(u.size() * L);
+            for (std::size_t i = 0; i < u.size(); ++i) std::copy_n(&z[(u[i] / K) * L], L, &zin[i * L]);
+            expert_ffn(zout.data(), zin.data(), u.size(), got[j], d.ffn, L, d.situ);
+            for (std::size_t i = 0; i < u.size(); ++i) std::copy_n(&zout[i * L], L, &expert_out[u[i] * L]);
+        }
+    }
+    // 6: combine in slot order
+    std::vector<float> y_lat(T * L, 0.0f);  // (T, L)
+    for (std::size_t t = 0; t < T; ++t)
+        for (std::size_t s = 0; s < K; ++s) {
+            const float wt = r.weights[t * K + s];
+            const float* eo = &expert_out[(t * K + s) * L];
+            float* acc = &y_lat[t * L];
+            for (std::size_t j = 0; j < L; ++j) acc[j] = acc[j] + wt * eo[j];
+        }
+    // 7: latent norm (the weighted sum comes BEFORE the norm: trap 5.1.4) and the up-projection
+    std::vector<float> gamma(L), y_norm(T * L), y_routed(T * D);  // (L), (T, L), (T, D)
+    for (std::size_t j = 0; j < L; ++j) gamma[j] = bf16_to_f32(w.latent_norm[j]);
+    for (std::size_t t = 0; t < T; ++t) rmsnorm(&y_norm[t * L], &y_lat[t * L], gamma.data(), L, d.eps);
+    linear(y_routed.data(), y_norm.data(), T, w.latent_up);
+    // 8: shared experts on the full-width x (not the latent z)
+    std::vector<float> y_shared(T * D, 0.0f);  // (T, D)
+    if (w.shared.gate.rows > 0) dense_ffn(y_shared.data(), x, T, w.shared, d.situ);
+    // 9: the sum
+    for (std::size_t i = 0; i < T * D; ++i) y[i] = y_routed[i] + y_shared[i];
+    if (record) *record = MoeRecord{std::move(r), std::move(z), std::move(y_lat), std::move(y_routed), std::move(y_shared)};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 10.4 All-resident experts (tests, examples, and any machine with room for every expert)
+// ---------------------------------------------------------------------------------------------------
+// Reads every routed expert of every MoE layer into memory once. `capacity` only limits how many the
+// MoE layer may ask for at once, so tests can check that the grouping never changes a bit.
+class ResidentExperts : public ExpertProvider {
+  public:
+    ResidentExperts(const ModelTensors& m, std::size_t capacity = 0) : capacity_(capacity) {
+        for (std::size_t l = 0; l < m.experts.size(); ++l)
+            for (std::size_t e = 0; e < m.experts[l].size(); ++e) {
+                const ExpertLocation& x = m.experts[l][e];
+                AlignedBuffer buf(x.bytes());
+                std::array<std::size_t, 6> at{};
+                std::size_t off = 0;
+                for (int p = 0; p < 6; ++p) {
+                    at[std::size_t(p)] = off;
+                    x.parts[std::size_t(p)]->file->read_into(*x.parts[std::size_t(p)]->info, buf.data() + off);
+                    off += x.parts[std::size_t(p)]->info->nbytes();
+                }
+                auto part = [&](int p) { return reinterpret_cast<const std::uint8_t*>(buf.data() + at[std::size_t(p)]); };
+                for (int p : {1, 3, 5})  // refuse NaN scales at load (chapter 05)
+                    check_e8m0_scales(part(p), x.parts[std::size_t(p)]->info->nbytes(), x.parts[std::size_t(p)]->info->name);
+                weights_[{int(l), int(e)}] = ExpertWeights{part(0), part(1), part(2), part(3), part(4), part(5)};
+                buffers_.push_back(std::move(buf));
+                if (capacity_ == 0) all_ = std::max(all_, m.experts[l].size());
+            }
+        if (capacity_ == 0) capacity_ = std::max<std::size_t>(all_, 1);
+    }
+    std::size_t capacity() const override { return capacity_; }
+    void fetch(int layer, std::span<const int> ids, ExpertWeights* out) override {
+        if (ids.size() > capacity_) fail(ErrorKind::usage, "ResidentExperts::fetch: more experts than the capacity");
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            auto it = weights_.find({layer, ids[i]});
+            if (it == weights_.end())
+                fail(ErrorKind::usage, "no routed expert " + std::to_string(ids[i]) + " in layer " + std::to_string(layer));
+            out[i] = it->second;
+        }
+        ++fetches_;
+    }
+    std::size_t fetches() const { return fetches_; }
+
+  private:
+    std::size_t capacity_ = 0, all_ = 0, fetches_ = 0;
+    std::map<std::pair<int, int>, ExpertWeights> weights_;
+    std::vector<AlignedBuffer> buffers_;
+};
+
+}  // namespace kimik3
