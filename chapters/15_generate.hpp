@@ -1,0 +1,287 @@
+// kimik3 chapter 15: generation -- chats rendered to token ids, and the next token drawn from logits.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Chapter 14 turns text into ids; this chapter turns a *conversation* into ids, in the exact layout
+//   Kimi K3 was trained on, and turns the model's logits back into a chosen id. New: K3's "XTML" chat
+//   format (structural special tokens wrapping ordinary-text tags), segment-wise tokenization, stop
+//   tokens, and sampling (greedy, temperature, top-k, top-p) from a seeded generator whose every
+//   rounding step is pinned, so a seed gives the same tokens on every machine and thread count.
+//   (Sections 15.6 onwards, added later: the generation loop, sessions and the REPL.)
+//
+// WHERE THIS SITS IN KIMI K3
+//   The checkpoint renders chats in Python (encoding_k3.py). A user turn is
+//     <|open|>message role="user"<|sep|>Hello<|close|>message<|sep|><|end_of_msg|>
+//   where <|open|> 163587, <|sep|> 163589, <|close|> 163588 and <|end_of_msg|> 163586 are special ids
+//   and `message role="user"`, `Hello`, `message` are BPE-encoded text. The model's logits have
+//   V = 163,840 entries; generation stops at <|end_of_msg|> (config.json's eos_token_id) or at [EOS]
+//   163585 (tokenizer_config.json's eos_token): spec trap 5.1.12.
+//
+// CONCEPTS
+//   segment     a run of the rendered chat that is either one structural special or one text string.
+//   tag         the text between <|open|> (or <|close|>) and <|sep|>: a name plus attributes k="v".
+//   logits      the model's unnormalised scores, one per id (V).
+//   temperature logits are divided by T before the softmax; T -> 0 is greedy.
+//   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
+//
+// THE XTML LAYOUT (spec section 4; "[x]" is a special id, everything else BPE-encoded text)
+//   message     [<|open|>]message role="R"( type="T")( name="N")( tool="F" index="I")[<|sep|>]
+//                 BODY [<|close|>]message[<|sep|>][<|end_of_msg|>]
+//   assistant   BODY = ([<|open|>]think[<|sep|>]REASONING[<|close|>]think[<|sep|>])    when thinking is on
+//                      [<|open|>]response[<|sep|>]TEXT[<|close|>]response[<|sep|>]
+//                      ([<|open|>]tools[<|sep|>] CALL... [<|close|>]tools[<|sep|>])     when it calls tools
+//   call        [<|open|>]call tool="F" index="1"[<|sep|>]
+//                 [<|open|>]argument key="K" type="string"[<|sep|>]V[<|close|>]argument[<|sep|>]...
+//               [<|close|>]call[<|sep|>]
+//   prompt      [<|open|>]message role="assistant"[<|sep|>][<|open|>]think[<|sep|>]   (thinking off:
+//               the last part is [<|open|>]response[<|sep|>])
+//   Attribute values escape & -> &amp; and " -> &quot;. No BOS is prepended. Text is encoded with
+//   specials NOT recognised, so a user who types "<|open|>" gets plain text ids.
+//
+// CONTRACT
+//   1. Rendering is deterministic; messages appear in the order given; nothing is added that the
+//      spec does not describe. Choices where the spec is silent, each tested: the attribute order
+//      role, type, name, tool, index; call indices count from 1 in order; with thinking on, every
+//      assistant message gets a think block (empty when it has no reasoning); with thinking off none
+//      does. Internal system messages (type="tool-declare", "thinking-effort", "tool-choice",
+//      "response-format") are ordinary messages whose body the caller supplies: the spec gives
+//      neither the 67-token thinking-effort text nor the exact tool-declare wording, so this chapter
+//      never invents them.
+//   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
+//      and draws nothing. Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
+//      ties lower id first; keep the first top_k (0 = all); e_j = exp(z_j - z_0); S = the 16-lane sum
+//      of e_j in sorted order (lane j % 16, then hsum16: chapter 00's rule); p_j = e_j / S; if top_p
+//      < 1, keep through the first j whose running sum c_j = c_{j-1} + p_j (sequential, f32) reaches
+//      top_p; then one draw u in [0, 1), r = u * c_last, and the first j with r < c_j wins (the last
+//      kept one if rounding leaves none). A NaN logit is an Error.
+//   3. The generator is splitmix64 (state += 0x9E3779B97F4A7C15, then the finaliser); a draw is
+//      u = (next() >> 40) * 2^-24, a multiple of 2^-24 in [0, 1), exact in f32. Nothing here uses
+//      threads or std:: distributions (whose algorithms are implementation-defined).
+//
+// USES     chapter 14 (Tokenizer), chapter 00 (hsum16, Error).
+// RUN      make run-15    (renders a short chat to ids and text; samples a fixed logit vector)
+// TEST     make test-15   (hand-written XTML token sequences; a hand-worked sampling case)
+//
+// SECTIONS
+//   15.1 messages       15.2 rendering       15.3 stop tokens       15.4 the generator
+//   15.5 sampling
+// ====================================================================================================
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "00_numerics.hpp"
+#include "14_tokenizer.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 15.1 Messages
+// ---------------------------------------------------------------------------------------------------
+struct ToolArgument {
+    std::string key{};
+    std::string type = "string";             // written as given: the spec shows only "string"
+    std::string value{};                     // the argument's text, already formatted by the caller
+};
+
+struct ToolCall {
+    std::string tool{};                      // the function name: tool="..."
+    std::vector<ToolArgument> arguments{};   // in this order
+};
+
+struct ChatMessage {
+    std::string role{};                      // "system", "user", "assistant" or "tool"
+    std::string content{};                   // the body; for an assistant, the response text
+    std::string type{};                      // internal system messages: "tool-declare", "thinking-effort", ...
+    std::string name{};                      // optional name="..." attribute
+    std::string tool{};                      // tool messages: tool="..."
+    int index = 0;                           // tool messages: index="..." (written when tool is set)
+    std::string reasoning{};                 // assistant: the think block's text
+    std::vector<ToolCall> tool_calls{};      // assistant: index="1", "2", ... in this order
+};
+
+struct ChatOptions {
+    bool thinking = true;                // K3's default (with effort "max", whose message the caller adds)
+    bool add_generation_prompt = true;   // end with the opening of the assistant's reply
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 15.2 Rendering: segment by segment, straight to ids
+// ---------------------------------------------------------------------------------------------------
+// & first, so the & of &quot; is not escaped again.
+inline std::string escape_attribute(std::string_view v) {
+    std::string out;
+    for (char c : v) {
+        if (c == '&') out += "&amp;";
+        else if (c == '"') out += "&quot;";
+        else out += c;
+    }
+    return out;
+}
+
+// Appends segments to an id list. Text goes through Tokenizer::encode (specials never recognised);
+// markers are looked up by name, so a vocabulary without them fails loudly at the first use.
+class ChatWriter {
+  public:
+    explicit ChatWriter(const Tokenizer& tok) : tok_(tok) {}
+    void special(std::string_view name) { ids_.push_back(tok_.special_id(name)); }
+    void text(std::string_view s) {
+        const std::vector<std::uint32_t> t = tok_.encode(s);
+        ids_.insert(ids_.end(), t.begin(), t.end());
+    }
+    void open(std::string_view tag) { special("<|open|>"), text(tag), special("<|sep|>"); }     // [<|open|>]tag[<|sep|>]
+    void close(std::string_view tag) { special("<|close|>"), text(tag), special("<|sep|>"); }   // [<|close|>]tag[<|sep|>]
+    const std::vector<std::uint32_t>& ids() const { return ids_; }
+
+  private:
+    const Tokenizer& tok_;
+    std::vector<std::uint32_t> ids_;
+};
+
+inline std::string xtml_attribute(std::string_view key, std::string_view value) {
+    return " " + std::string(key) + "=\"" + escape_attribute(value) + "\"";
+}
+
+inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOptions& opt) {
+    std::string tag = "message" + xtml_attribute("role", m.role);
+    if (!m.type.empty()) tag += xtml_attribute("type", m.type);
+    if (!m.name.empty()) tag += xtml_attribute("name", m.name);
+    if (!m.tool.empty()) tag += xtml_attribute("tool", m.tool) + xtml_attribute("index", std::to_string(m.index));
+    w.open(tag);
+    if (m.role == "assistant") {
+        if (opt.thinking) w.open("think"), w.text(m.reasoning), w.close("think");
+        w.open("response"), w.text(m.content), w.close("response");
+        if (!m.tool_calls.empty()) {
+            w.open("tools");
+            for (std::size_t k = 0; k < m.tool_calls.size(); ++k) {
+                w.open("call" + xtml_attribute("tool", m.tool_calls[k].tool) + xtml_attribute("index", std::to_string(k + 1)));
+                for (const ToolArgument& a : m.tool_calls[k].arguments)
+                    w.open("argument" + xtml_attribute("key", a.key) + xtml_attribute("type", a.type)), w.text(a.value), w.close("argument");
+                w.close("call");
+            }
+            w.close("tools");
+        }
+    } else {
+        w.text(m.content);
+    }
+    w.close("message");
+    w.special("<|end_of_msg|>");
+}
+
+// The whole prompt: every message, then (by default) the opening of the assistant's reply.
+inline std::vector<std::uint32_t> render_chat(const Tokenizer& tok, std::span<const ChatMessage> messages, const ChatOptions& opt = {}) {
+    ChatWriter w(tok);
+    for (const ChatMessage& m : messages) render_message(w, m, opt);
+    if (opt.add_generation_prompt) w.open("message" + xtml_attribute("role", "assistant")), w.open(opt.thinking ? "think" : "response");
+    return w.ids();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 15.3 Stop tokens
+// ---------------------------------------------------------------------------------------------------
+// Both ends count (trap 5.1.12): <|end_of_msg|> ends a turn (config.json's eos_token_id), [EOS] is the
+// tokenizer's eos_token. A vocabulary that lacks either is refused here, before any generation.
+struct StopTokens {
+    std::uint32_t end_of_msg = 0, eos = 0;
+    bool contains(std::uint32_t id) const { return id == end_of_msg || id == eos; }
+};
+
+inline StopTokens stop_tokens(const Tokenizer& tok) { return {tok.special_id("<|end_of_msg|>"), tok.special_id("[EOS]")}; }
+
+// ---------------------------------------------------------------------------------------------------
+// 15.4 The generator: splitmix64
+// ---------------------------------------------------------------------------------------------------
+// Why splitmix64: six lines, 64-bit state, passes BigCrush, and its first output for seed 0 is the
+// well-known 0xE220A8397B1DCDAF (test 15.4), so anyone can check an implementation by hand.
+class SplitMix64 {
+  public:
+    explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
+    std::uint64_t next() {
+        std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+    // The top 24 bits as a multiple of 2^-24: every value is exact in f32 and below 1.
+    float uniform() { return float(next() >> 40) * 0x1p-24f; }
+
+  private:
+    std::uint64_t state_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 15.5 Sampling
+// ---------------------------------------------------------------------------------------------------
+struct SamplingParams {
+    float temperature = 1.0f;  // <= 0: greedy
+    int top_k = 0;             // 0: no limit
+    float top_p = 1.0f;        // >= 1: no limit
+};
+
+struct TokenCandidate {
+    std::uint32_t id;
+    float z;           // logit / T
+    float p;           // probability after the top-k cut (before the top-p cut)
+    float cumulative;  // running sum of p in sorted order
+};
+
+inline std::uint32_t greedy(std::span<const float> logits) {  // logits (V)
+    std::uint32_t best = 0;
+    for (std::uint32_t i = 0; i < logits.size(); ++i) {
+        if (std::isnan(logits[i])) fail(ErrorKind::runtime, "sample: logit " + std::to_string(i) + " is NaN");
+        if (logits[i] > logits[best]) best = i;  // strict >: the lower id keeps a tie
+    }
+    return best;
+}
+
+// Steps 2-6 of contract 2: the candidates that survive top-k and top-p, most likely first.
+inline std::vector<TokenCandidate> sampling_candidates(std::span<const float> logits, const SamplingParams& sp) {  // logits (V)
+    if (logits.empty()) fail(ErrorKind::usage, "sample: no logits");
+    std::vector<TokenCandidate> c(logits.size());
+    for (std::uint32_t i = 0; i < logits.size(); ++i) {
+        if (std::isnan(logits[i])) fail(ErrorKind::runtime, "sample: logit " + std::to_string(i) + " is NaN");
+        c[i] = {i, logits[i] / sp.temperature, 0.0f, 0.0f};
+    }
+    std::sort(c.begin(), c.end(), [](const TokenCandidate& a, const TokenCandidate& b) { return a.z != b.z ? a.z > b.z : a.id < b.id; });
+    if (sp.top_k > 0 && std::size_t(sp.top_k) < c.size()) c.resize(std::size_t(sp.top_k));
+    if (std::isinf(c[0].z) && c[0].z < 0) fail(ErrorKind::runtime, "sample: every logit is -inf");
+    float lanes[kLanes] = {};
+    for (std::size_t j = 0; j < c.size(); ++j) {
+        c[j].p = std::exp(c[j].z - c[0].z);  // e_j, in (0, 1]; exactly 1 for the first
+        lanes[j % kLanes] = lanes[j % kLanes] + c[j].p;
+    }
+    const float sum = hsum16(lanes);
+    float running = 0.0f;
+    for (std::size_t j = 0; j < c.size(); ++j) {
+        c[j].p = c[j].p / sum;
+        c[j].cumulative = running = running + c[j].p;
+        if (sp.top_p < 1.0f && running >= sp.top_p) {
+            c.resize(j + 1);
+            break;
+        }
+    }
+    return c;
+}
+
+// Step 7: the draw, with u given (tests pick u by hand).
+inline std::uint32_t sample_from(std::span<const TokenCandidate> kept, float u) {
+    const float r = u * kept.back().cumulative;
+    for (const TokenCandidate& c : kept)
+        if (r < c.cumulative) return c.id;
+    return kept.back().id;
+}
+
+// One token. Greedy draws nothing from rng; every other setting draws exactly one u.
+inline std::uint32_t sample(std::span<const float> logits, const SamplingParams& sp, SplitMix64& rng) {  // logits (V)
+    if (!(sp.temperature > 0.0f)) return greedy(logits);
+    const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
+    return sample_from(kept, rng.uniform());
+}
+
+}  // namespace kimik3

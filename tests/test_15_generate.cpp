@@ -1,0 +1,193 @@
+// Tests for chapter 15 (first half): XTML chat rendering and sampling. The expected chats are written
+// out by hand, segment by segment, from the layout of spec section 4; the text segments' ids come from
+// chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
+// tag text, in which order. The sampling case is worked by hand in exact binary fractions.
+#include "../chapters/15_generate.hpp"
+
+#include "check.hpp"
+
+using namespace kimik3;
+
+namespace {
+
+const Tokenizer& tiny() {
+    static const Tokenizer t = Tokenizer::load(test::source_path("fixtures/tiny-k3"));
+    return t;
+}
+
+// A hand-written expected chat: "[name]" is a special marker, anything else a text segment.
+std::vector<std::uint32_t> segments(std::initializer_list<std::string> segs) {
+    std::vector<std::uint32_t> ids;
+    for (const std::string& s : segs) {
+        if (s.size() > 2 && ((s.front() == '<' && s.substr(0, 2) == "<|" && s.substr(s.size() - 2) == "|>") || s.front() == '[')) {
+            ids.push_back(tiny().special_id(s));
+        } else {
+            const std::vector<std::uint32_t> t = tiny().encode(s);
+            ids.insert(ids.end(), t.begin(), t.end());
+        }
+    }
+    return ids;
+}
+
+std::size_t count(const std::vector<std::uint32_t>& ids, std::uint32_t id) { return std::size_t(std::count(ids.begin(), ids.end(), id)); }
+
+}  // namespace
+
+TEST_CASE("15.2 system + user, thinking on: the exact XTML and its segments") {
+    const ChatMessage chat[] = {{.role = "system", .content = "You are Kimi."}, {.role = "user", .content = "Hi!"}};
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat);
+    CHECK(tiny().decode(ids) ==
+          "<|open|>message role=\"system\"<|sep|>You are Kimi.<|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"user\"<|sep|>Hi!<|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>");
+    CHECK(ids == segments({"<|open|>", "message role=\"system\"", "<|sep|>", "You are Kimi.", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"user\"", "<|sep|>", "Hi!", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"assistant\"", "<|sep|>", "<|open|>", "think", "<|sep|>"}));
+    CHECK(ids.front() == 483);             // no BOS: the first id is <|open|>
+    CHECK(count(ids, 480) == 0);
+}
+
+TEST_CASE("15.2 multi-turn with thinking: past assistant turns carry think and response blocks") {
+    const ChatMessage chat[] = {{.role = "user", .content = "2+2?"},
+                                {.role = "assistant", .content = "4", .reasoning = "Add them."},
+                                {.role = "user", .content = "And 3+3?"}};
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat);
+    CHECK(ids == segments({"<|open|>", "message role=\"user\"", "<|sep|>", "2+2?", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"assistant\"", "<|sep|>",
+                           "<|open|>", "think", "<|sep|>", "Add them.", "<|close|>", "think", "<|sep|>",
+                           "<|open|>", "response", "<|sep|>", "4", "<|close|>", "response", "<|sep|>",
+                           "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"user\"", "<|sep|>", "And 3+3?", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"assistant\"", "<|sep|>", "<|open|>", "think", "<|sep|>"}));
+    CHECK(count(ids, tiny().special_id("<|end_of_msg|>")) == 3);
+}
+
+TEST_CASE("15.2 thinking off: no think blocks, and the prompt opens the response") {
+    const ChatMessage chat[] = {{.role = "user", .content = "Hi"}, {.role = "assistant", .content = "Hello", .reasoning = "ignored"},
+                                {.role = "user", .content = "Bye"}};
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.thinking = false});
+    CHECK(tiny().decode(ids) ==
+          "<|open|>message role=\"user\"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"user\"<|sep|>Bye<|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>");
+    const std::vector<std::uint32_t> no_prompt = render_chat(tiny(), chat, {.thinking = false, .add_generation_prompt = false});
+    CHECK(no_prompt.back() == tiny().special_id("<|end_of_msg|>"));
+}
+
+TEST_CASE("15.2 a tool call and the tool's answer") {
+    const ChatMessage chat[] = {
+        {.role = "user", .content = "Weather in Paris?"},
+        {.role = "assistant", .content = "", .tool_calls = {{.tool = "get_weather", .arguments = {{.key = "city", .value = "Paris"}}}}},
+        {.role = "tool", .content = "18 C", .tool = "get_weather", .index = 1}};
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.thinking = false});
+    CHECK(ids == segments({"<|open|>", "message role=\"user\"", "<|sep|>", "Weather in Paris?", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"assistant\"", "<|sep|>",
+                           "<|open|>", "response", "<|sep|>", "<|close|>", "response", "<|sep|>",
+                           "<|open|>", "tools", "<|sep|>",
+                           "<|open|>", "call tool=\"get_weather\" index=\"1\"", "<|sep|>",
+                           "<|open|>", "argument key=\"city\" type=\"string\"", "<|sep|>", "Paris", "<|close|>", "argument", "<|sep|>",
+                           "<|close|>", "call", "<|sep|>",
+                           "<|close|>", "tools", "<|sep|>",
+                           "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"tool\" tool=\"get_weather\" index=\"1\"", "<|sep|>", "18 C", "<|close|>", "message",
+                           "<|sep|>", "<|end_of_msg|>",
+                           "<|open|>", "message role=\"assistant\"", "<|sep|>", "<|open|>", "response", "<|sep|>"}));
+    // With thinking on, the same assistant turn gets an empty think block before its response.
+    const std::string on = tiny().decode(render_chat(tiny(), chat));
+    CHECK(on.find("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>") !=
+          std::string::npos);
+}
+
+TEST_CASE("15.2 attributes are escaped; typed markers stay text; internal system messages take the caller's body") {
+    CHECK(escape_attribute("a&b \"q\" &amp;") == "a&amp;b &quot;q&quot; &amp;amp;");
+    const ChatMessage chat[] = {{.role = "system", .content = "EFFORT TEXT", .type = "thinking-effort"},
+                                {.role = "user", .content = "<|open|>hi<|sep|>", .name = "Tom \"T&J\""}};
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.add_generation_prompt = false});
+    CHECK(tiny().decode(ids) ==
+          "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>EFFORT TEXT<|close|>message<|sep|><|end_of_msg|>"
+          "<|open|>message role=\"user\" name=\"Tom &quot;T&amp;J&quot;\"<|sep|><|open|>hi<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    CHECK(count(ids, tiny().special_id("<|open|>")) == 2);  // the user's typed "<|open|>" is plain text
+    CHECK(count(ids, tiny().special_id("<|sep|>")) == 4);
+}
+
+TEST_CASE("15.3 stop tokens: <|end_of_msg|> and [EOS], both") {
+    const StopTokens s = stop_tokens(tiny());
+    CHECK(s.end_of_msg == 482);
+    CHECK(s.eos == 481);
+    CHECK(s.contains(482));
+    CHECK(s.contains(481));
+    CHECK(!s.contains(480));
+}
+
+TEST_CASE("15.4 splitmix64: the published first outputs for seed 0; draws are multiples of 2^-24 below 1") {
+    SplitMix64 g(0);
+    CHECK(g.next() == 0xE220A8397B1DCDAFull);
+    CHECK(g.next() == 0x6E789E6AA1B965F4ull);
+    CHECK(g.next() == 0x06C45D188009454Full);
+    SplitMix64 h(0);
+    CHECK(h.uniform() == float(0xE220A8397B1DCDAFull >> 40) * 0x1p-24f);
+    SplitMix64 r(7);
+    for (int i = 0; i < 100000; ++i) {
+        const float u = r.uniform();
+        REQUIRE((u >= 0.0f && u < 1.0f));
+        REQUIRE(u * 0x1p24f == std::floor(u * 0x1p24f));
+    }
+}
+
+TEST_CASE("15.5 sampling worked by hand: sort with ties to the lower id, top-k, top-p, the draw") {
+    // logits (V = 6): id 0: 0.5, ids 1 2 4 5: 2.0, id 3: -1. T = 1, top_k = 4, top_p = 0.5.
+    //   sorted by z, ties lower id first:  1, 2, 4, 5, 0, 3      top-k keeps 1, 2, 4, 5
+    //   e = exp(z - 2) = 1, 1, 1, 1 (exact);  S = 4;  p = 0.25 each (exact)
+    //   running sum 0.25, 0.5 >= top_p  ->  keep 1, 2;  c_last = 0.5
+    //   u = 0.375: r = 0.1875 < 0.25 -> id 1;   u = 0.625: r = 0.3125 -> id 2
+    const float logits[] = {0.5f, 2.0f, 2.0f, -1.0f, 2.0f, 2.0f};
+    const std::vector<TokenCandidate> kept = sampling_candidates(logits, {.temperature = 1.0f, .top_k = 4, .top_p = 0.5f});
+    REQUIRE(kept.size() == 2);
+    CHECK(kept[0].id == 1);
+    CHECK(kept[1].id == 2);
+    CHECK(kept[0].p == 0.25f);
+    CHECK(kept[1].cumulative == 0.5f);
+    CHECK(sample_from(kept, 0.375f) == 1);
+    CHECK(sample_from(kept, 0.625f) == 2);
+    CHECK(sample_from(kept, 0.9999999f) == 2);
+    CHECK(greedy(logits) == 1);  // a four-way tie: the lowest id
+    // Without cuts all six survive, in the tie order.
+    const std::vector<TokenCandidate> all = sampling_candidates(logits, {});
+    REQUIRE(all.size() == 6);
+    CHECK((all[2].id == 4 && all[3].id == 5 && all[4].id == 0 && all[5].id == 3));
+}
+
+TEST_CASE("15.5 temperature agrees with hand arithmetic within 1e-6 (exp is not exact)") {
+    // logits {2, 0}, T = 2: z = {1, 0}; p = e/(1+e) = 0.7310586, 1/(1+e) = 0.2689414.
+    const float logits[] = {2.0f, 0.0f};
+    const std::vector<TokenCandidate> c = sampling_candidates(logits, {.temperature = 2.0f});
+    REQUIRE(c.size() == 2);
+    CHECK(std::fabs(c[0].p - 0.7310586f) < 1e-6f);
+    CHECK(std::fabs(c[1].p - 0.2689414f) < 1e-6f);
+    const float nan_logits[] = {0.0f, NAN};
+    CHECK_THROWS_AS(sampling_candidates(nan_logits, {}), Error);
+    CHECK_THROWS_AS(greedy(nan_logits), Error);
+}
+
+TEST_CASE("15.5 sampling is reproducible: same seed, same ids, for 1 and 2 threads; greedy draws nothing") {
+    test::Rng rng(15);
+    const std::vector<float> logits = rng.floats(512, -4.0f, 4.0f);
+    const SamplingParams sp{.temperature = 0.8f, .top_k = 40, .top_p = 0.9f};
+    auto run = [&](int threads) {
+        set_threads(threads);
+        SplitMix64 g(2026);
+        std::vector<std::uint32_t> ids;
+        for (int i = 0; i < 200; ++i) ids.push_back(sample(logits, sp, g));
+        return ids;
+    };
+    const std::vector<std::uint32_t> a = run(1), b = run(2);
+    CHECK(a == b);
+    SplitMix64 g1(1), g2(1);
+    CHECK(sample(logits, {.temperature = 0.0f}, g1) == greedy(logits));
+    CHECK(g1.next() == g2.next());  // the greedy call consumed no draw
+    // Regression pin (made by this code, not evidence of correctness): the first ids for seed 2026.
+    const std::vector<std::uint32_t> first(a.begin(), a.begin() + 8);
+    INFO("first ids: " << first[0] << " " << first[1] << " " << first[2] << " " << first[3]);
+    CHECK(first == std::vector<std::uint32_t>{488, 322, 47, 425, 315, 185, 331, 279});
+}
