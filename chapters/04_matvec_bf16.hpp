@@ -213,11 +213,17 @@ struct MatrixRef {
     std::size_t rows = 0, cols = 0;
 };
 
+// Visits W's rows in order, in one piece when resident or chunk by chunk when streamed: for kernels
+// that need the rows themselves (chapter 08's transposed products), not just W x.
+inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size_t r0, std::size_t r1, const bf16* rows)>& f) {
+    if (w.data) return f(0, w.rows, w.data);
+    if (!w.stream) fail(ErrorKind::runtime, "for_each_rows: a matrix with neither data nor a stream");
+    w.stream->for_each_chunk(f);
+}
+
 // y = W x for T tokens, wherever W's rows live.
 inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
-    if (w.data) return matmul_bf16(y, x, w.data, tokens, w.rows, w.cols);
-    if (!w.stream) fail(ErrorKind::runtime, "linear: a matrix with neither data nor a stream");
-    w.stream->for_each_chunk([&](std::size_t r0, std::size_t r1, const bf16* rows) {
+    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const bf16* rows) {
         matmul_bf16(y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
     });
 }
