@@ -1,0 +1,299 @@
+// kimik3 chapter 07: kda -- Kimi Delta Attention, the linear attention of 69 of K3's 93 layers.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   KDA replaces softmax attention's growing cache with a fixed-size memory per head: a Dh x Dh matrix
+//   S that every token updates with a "delta rule" (write the value, minus what S already predicted for
+//   this key) after decaying each key channel by its own gate. Reading is a matrix-vector product with
+//   the query. Before that, a short causal convolution mixes each channel with its last three inputs.
+//   New since chapter 06: a recurrent state carried from token to token, and the proof that feeding
+//   tokens one at a time (decode) or all together (prefill) gives the same bits.
+//
+// WHERE THIS SITS IN KIMI K3 (spec 3.4, trap 5.1.8, 5.1.1)
+//   96 heads x Dh = 128 (P = 12288 channels); u (7168) -> q, k, v, g (12288 each) by four [12288, 7168]
+//   bf16 projections, the decay gate through a rank-128 bottleneck, beta per head, o_proj back to 7168.
+//   The state: 96 x 128 x 128 f32 = 6.29 MB per layer, 434 MB for all 69 KDA layers, plus the conv
+//   history (3 x 3 x 12288 f32 = 442 kB per layer). It is the part of K3 that must stay resident.
+//
+// CONCEPTS
+//   short conv   y_t[c] = SiLU(sum_j w[c][j] x_{t-3+j}[c]), tap 3 = the current token; a rolling history
+//                of the last 3 inputs per channel replaces padding.
+//   decay gate   g = -5 sigmoid(exp(A_log[h]) (f + dt_bias)) in (-5, 0), alpha = exp(g) in (e^-5, 1):
+//                K3's lower-bounded form (gate_lower_bound = -5), one value per key channel.
+//   delta rule   S <- diag(alpha) S;  r = v - S^T k;  S <- S + beta k r^T;  o = S^T q  (the UPDATED S).
+//   state layout value-major: row j of S^T (one per value channel) holds the 128 key-channel weights, as
+//                Moonshot stores it (transpose_state_layout): both products become row dot products.
+//
+//       S^T row j:  [ s_j0  s_j1  ...  s_j127 ]   (key channels i)
+//       decay:      s_ji *= alpha_i              prediction: p_j = sum_i s_ji k_i
+//       update:     s_ji += (beta (v_j - p_j)) k_i     read: o_j = sum_i s_ji q_i
+//
+// NUMERICS CONTRACT
+//   Projections: chapter 04 (T tokens at once, per-token bits independent of T).
+//   Conv: acc = w0*x0, then acc = acc + w_j*x_j for j = 1..W-1 (taps in time order), y = SiLU(acc).
+//   L2 norm (chapter 03): k_hat = l2norm(k, 1), q_hat = l2norm(q, Dh^-1/2), per head.
+//   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(expf(A_log[h]) * z); alpha = expf(g).
+//   A_log is read at index h only (0..H-1 of the zero-padded [Dh] tensor): never per channel (5.1.1).
+//   Recurrence per head and value row j, in this order: s_ji = s_ji * alpha_i (all i); p = dot16(s_j,
+//   k_hat) (16 lanes + hsum16); c = beta * (v_j - p); s_ji = s_ji + c * k_hat_i (all i); o_j = dot16(s_j,
+//   q_hat). kda_recurrence_simd is bit-identical to _ref. Heads split across threads; a head's rows run
+//   in order on one thread. Output: gated_head_norm (chapter 03, eps = rms_norm_eps), then o_proj.
+//   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state).
+//
+// USES     chapters 00, 02 (Config, LayerTensors), 03 (l2norm, gated_head_norm), 04 (linear)
+// RUN      make run-07        TEST   make test-07        BENCH   make bench (one decode step at K3 size)
+//
+// SECTIONS
+//   7.1 dims, weights and the carried state     7.2 the short convolution     7.3 gates: beta and decay
+//   7.4 the delta-rule recurrence               7.5 the layer (prefill = decode, bit for bit)
+// ====================================================================================================
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <istream>
+#include <ostream>
+#include <vector>
+
+#include "00_numerics.hpp"
+#include "02_config.hpp"
+#include "03_norms.hpp"
+#include "04_matvec_bf16.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 7.1 Dims, weights and the carried state
+// ---------------------------------------------------------------------------------------------------
+struct KdaDims {
+    std::size_t hidden = 0, heads = 0, head_dim = 0, conv = 0;  // D, H, Dh, W (7168, 96, 128, 4)
+    float lower_bound = -5.0f, eps = 1e-5f;                    // gate_lower_bound, rms_norm_eps
+    std::size_t width() const { return heads * head_dim; }     // P
+    static KdaDims from(const Config& c) {
+        return KdaDims{std::size_t(c.hidden_size), std::size_t(c.kda_num_heads), std::size_t(c.kda_head_dim),
+                       std::size_t(c.short_conv_kernel_size), c.gate_lower_bound, c.rms_norm_eps};
+    }
+};
+
+struct KdaWeights {
+    MatrixRef q_proj, k_proj, v_proj;  // (P, D) each
+    MatrixRef f_a_proj;                // (Dh, D)  decay gate, low-rank A
+    MatrixRef f_b_proj;                // (P, Dh)  decay gate, low-rank B
+    MatrixRef b_proj;                  // (H, D)   beta logits
+    MatrixRef g_proj;                  // (P, D)   output gate (full rank)
+    MatrixRef o_proj;                  // (D, P)
+    const float* q_conv = nullptr;     // (P, W)   F32 taps, stored [P, 1, W]
+    const float* k_conv = nullptr;     // (P, W)
+    const float* v_conv = nullptr;     // (P, W)
+    const float* A_log = nullptr;      // (Dh) stored, zero-padded: entries 0..H-1 are used
+    const float* dt_bias = nullptr;    // (P) head-major
+    const float* o_norm = nullptr;     // (Dh) shared by all heads
+};
+
+// Everything a KDA layer carries from one token to the next. Plain data: copy it to fork a sequence,
+// reset() it to start a new one, save()/load() it for sessions.
+struct KdaState {
+    std::size_t heads = 0, head_dim = 0, conv = 0;
+    std::vector<float> history;  // (3, W-1, P): the last W-1 pre-conv inputs of q, k, v, oldest first
+    std::vector<float> S;        // (H, Dh, Dh) value-major: S[h][j][i] = weight of key i for value j
+
+    KdaState() = default;
+    explicit KdaState(const KdaDims& d) : heads(d.heads), head_dim(d.head_dim), conv(d.conv) {
+        history.assign(3 * (d.conv - 1) * d.width(), 0.0f);
+        S.assign(d.heads * d.head_dim * d.head_dim, 0.0f);
+    }
+    void reset() {
+        std::fill(history.begin(), history.end(), 0.0f);
+        std::fill(S.begin(), S.end(), 0.0f);
+    }
+    std::size_t bytes() const { return (history.size() + S.size()) * sizeof(float); }
+    void save(std::ostream& out) const {
+        const std::uint64_t dims[3] = {heads, head_dim, conv};
+        out.write(reinterpret_cast<const char*>(dims), sizeof dims);
+        out.write(reinterpret_cast<const char*>(history.data()), std::streamsize(history.size() * 4));
+        out.write(reinterpret_cast<const char*>(S.data()), std::streamsize(S.size() * 4));
+    }
+    void load(std::istream& in) {  // into a state already sized for the layer; refuses other dims
+        std::uint64_t dims[3] = {};
+        in.read(reinterpret_cast<char*>(dims), sizeof dims);
+        if (!in || dims[0] != heads || dims[1] != head_dim || dims[2] != conv)
+            fail(ErrorKind::format, "KDA state: saved for " + std::to_string(dims[0]) + " heads x " + std::to_string(dims[1]) +
+                                        ", conv " + std::to_string(dims[2]) + "; this layer has " + std::to_string(heads) +
+                                        " x " + std::to_string(head_dim) + ", conv " + std::to_string(conv));
+        in.read(reinterpret_cast<char*>(history.data()), std::streamsize(history.size() * 4));
+        in.read(reinterpret_cast<char*>(S.data()), std::streamsize(S.size() * 4));
+        if (!in) fail(ErrorKind::format, "KDA state: the saved state is truncated");
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 7.2 The short convolution (one token, with its rolling history)
+// ---------------------------------------------------------------------------------------------------
+// y[c] = SiLU( w[c][0] x_{t-W+1}[c] + ... + w[c][W-1] x_t[c] ); then the history shifts by one token.
+// Element-wise over channels, so one loop serves every SIMD width (no lane ever mixes two channels).
+inline void short_conv_step(float* y, const float* x, const float* taps, float* history, std::size_t channels,
+                            std::size_t width) {  // y (P), x (P), taps (P, W), history (W-1, P)
+    const std::size_t past = width - 1;
+    for (std::size_t c = 0; c < channels; ++c) {
+        const float* w = taps + c * width;
+        float acc = past ? w[0] * history[c] : w[0] * x[c];
+        for (std::size_t j = 1; j < past; ++j) acc = acc + w[j] * history[j * channels + c];
+        if (past) acc = acc + w[past] * x[c];
+        y[c] = silu(acc);
+    }
+    for (std::size_t j = 0; j + 1 < past; ++j)  // drop the oldest input, append the current one
+        std::copy_n(history + (j + 1) * channels, channels, history + j * channels);
+    if (past) std::copy_n(x, channels, history + (past - 1) * channels);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 7.3 Gates: beta and the lower-bounded decay
+// ---------------------------------------------------------------------------------------------------
+// alpha[c] = exp(lower_bound * sigmoid(exp(A_log[h]) * (f[c] + dt_bias[c]))), h = c / Dh.
+inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A_log, const float* dt_bias, const KdaDims& d) {
+    // alpha (P), g_out (P) or null, f (P), A_log (Dh stored; H used), dt_bias (P)
+    for (std::size_t h = 0; h < d.heads; ++h) {
+        const float a = std::exp(A_log[h]);  // per HEAD: the padded entries H..Dh-1 are never read
+        for (std::size_t i = 0; i < d.head_dim; ++i) {
+            const std::size_t c = h * d.head_dim + i;
+            const float z = f[c] + dt_bias[c];
+            const float g = d.lower_bound * sigmoid(a * z);
+            if (g_out) g_out[c] = g;
+            alpha[c] = std::exp(g);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 7.4 The delta-rule recurrence (one token, all heads)
+// ---------------------------------------------------------------------------------------------------
+inline void kda_recurrence_ref(float* o, float* S, const float* q_hat, const float* k_hat, const float* v,
+                               const float* alpha, const float* beta, std::size_t heads, std::size_t dh) {
+    // o (P), S (H, Dh, Dh) value-major, q_hat/k_hat/v/alpha (P), beta (H)
+    require_multiple("kda_recurrence", "Dh", dh, kLanes);
+    parallel_rows(heads, 4 * dh * dh, [&](std::size_t h0, std::size_t h1) {
+        for (std::size_t h = h0; h < h1; ++h) {
+            const float *q = q_hat + h * dh, *k = k_hat + h * dh, *a = alpha + h * dh;
+            for (std::size_t j = 0; j < dh; ++j) {
+                float* s = S + (h * dh + j) * dh;  // row j of S^T: value channel j
+                float acc[kLanes] = {};
+                for (std::size_t i = 0; i < dh; ++i) {
+                    s[i] = s[i] * a[i];                                   // decay each key channel
+                    acc[i % kLanes] = acc[i % kLanes] + s[i] * k[i];      // prediction p_j = s_j . k_hat
+                }
+                const float c = beta[h] * (v[h * dh + j] - hsum16(acc));  // beta * (v_j - p_j)
+                float out[kLanes] = {};
+                for (std::size_t i = 0; i < dh; ++i) {
+                    s[i] = s[i] + c * k[i];                               // rank-1 delta update
+                    out[i % kLanes] = out[i % kLanes] + s[i] * q[i];      // read with the UPDATED state
+                }
+                o[h * dh + j] = hsum16(out);
+            }
+        }
+    });
+}
+
+// Bit-identical to kda_recurrence_ref: the structural difference is that each row is processed W key
+// channels at a time, with the 16 lanes of each sum held in 16/W registers (chapter 00's dot_simd).
+inline void kda_recurrence_simd(float* o, float* S, const float* q_hat, const float* k_hat, const float* v,
+                                const float* alpha, const float* beta, std::size_t heads, std::size_t dh) {
+    // o (P), S (H, Dh, Dh) value-major, q_hat/k_hat/v/alpha (P), beta (H)
+    require_multiple("kda_recurrence", "Dh", dh, kLanes);
+    constexpr int A = simd::kBatchesPer16;
+    parallel_rows(heads, 4 * dh * dh, [&](std::size_t h0, std::size_t h1) {
+        for (std::size_t h = h0; h < h1; ++h) {
+            const float *q = q_hat + h * dh, *k = k_hat + h * dh, *al = alpha + h * dh;
+            for (std::size_t j = 0; j < dh; ++j) {
+                float* s = S + (h * dh + j) * dh;
+                simd::f32 acc[A];
+                for (auto& r : acc) r = simd::splat(0.0f);
+                for (std::size_t i = 0; i < dh; i += kLanes)
+                    KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
+                        const std::size_t at = i + std::size_t(a * simd::W);
+                        const simd::f32 sd = simd::load(s + at) * simd::load(al + at);
+                        simd::store(s + at, sd);
+                        acc[a] = acc[a] + sd * simd::load(k + at);
+                    }
+                float lanes[kLanes];
+                for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[a]);
+                const simd::f32 c = simd::splat(beta[h] * (v[h * dh + j] - hsum16(lanes)));
+                for (auto& r : acc) r = simd::splat(0.0f);
+                for (std::size_t i = 0; i < dh; i += kLanes)
+                    KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
+                        const std::size_t at = i + std::size_t(a * simd::W);
+                        const simd::f32 su = simd::load(s + at) + c * simd::load(k + at);
+                        simd::store(s + at, su);
+                        acc[a] = acc[a] + su * simd::load(q + at);
+                    }
+                for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[a]);
+                o[h * dh + j] = hsum16(lanes);
+            }
+        }
+    });
+}
+
+inline void kda_recurrence(float* o, float* S, const float* q_hat, const float* k_hat, const float* v, const float* alpha,
+                           const float* beta, std::size_t heads, std::size_t dh) {
+    use_simd ? kda_recurrence_simd(o, S, q_hat, k_hat, v, alpha, beta, heads, dh)
+             : kda_recurrence_ref(o, S, q_hat, k_hat, v, alpha, beta, heads, dh);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 7.5 The layer: projections for all T tokens at once, then the recurrence token by token
+// ---------------------------------------------------------------------------------------------------
+// What the reference dumps per token, for tests and examples (optional).
+struct KdaRecord {
+    std::vector<float> q_conv, k_conv, v_conv, q_hat, k_hat, beta, g, o, o_gated;  // (T, P) or (T, H)
+};
+
+inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaWeights& w, const KdaDims& d, KdaState& st,
+                        KdaRecord* rec = nullptr) {  // y (T, D), u (T, D): the input_layernorm output
+    const std::size_t T = tokens, P = d.width(), H = d.heads, Dh = d.head_dim;
+    // Projections: every token's bits are independent of T (chapter 04), so prefill may batch them.
+    std::vector<float> q(T * P), k(T * P), v(T * P), gate(T * P), fa(T * Dh), f(T * P), b(T * H);
+    linear(q.data(), u, T, w.q_proj);
+    linear(k.data(), u, T, w.k_proj);
+    linear(v.data(), u, T, w.v_proj);
+    linear(gate.data(), u, T, w.g_proj);
+    linear(fa.data(), u, T, w.f_a_proj);
+    linear(f.data(), fa.data(), T, w.f_b_proj);
+    linear(b.data(), u, T, w.b_proj);
+    const float q_scale = 1.0f / std::sqrt(float(Dh));  // Dh^-1/2 = 0.08838834764 at K3
+    const std::size_t past = (d.conv - 1) * P;
+    std::vector<float> qc(P), kc(P), vc(P), qh(P), kh(P), alpha(P), g(P), beta(H), o(P);
+    std::vector<float> o_gated(T * P);  // (T, P)
+    if (rec) *rec = KdaRecord{};
+    for (std::size_t t = 0; t < T; ++t) {  // the recurrence is sequential: token t needs t-1's state
+        short_conv_step(qc.data(), &q[t * P], w.q_conv, st.history.data(), P, d.conv);
+        short_conv_step(kc.data(), &k[t * P], w.k_conv, st.history.data() + past, P, d.conv);
+        short_conv_step(vc.data(), &v[t * P], w.v_conv, st.history.data() + 2 * past, P, d.conv);
+        for (std::size_t h = 0; h < H; ++h) {
+            l2norm(&qh[h * Dh], &qc[h * Dh], Dh, q_scale);
+            l2norm(&kh[h * Dh], &kc[h * Dh], Dh, 1.0f);
+            beta[h] = sigmoid(b[t * H + h]);
+        }
+        kda_decay(alpha.data(), g.data(), &f[t * P], w.A_log, w.dt_bias, d);
+        kda_recurrence(o.data(), st.S.data(), qh.data(), kh.data(), vc.data(), alpha.data(), beta.data(), H, Dh);
+        gated_head_norm(&o_gated[t * P], o.data(), &gate[t * P], w.o_norm, H, Dh, d.eps);
+        if (rec)
+            for (auto [dst, src] : {std::pair{&rec->q_conv, &qc}, {&rec->k_conv, &kc}, {&rec->v_conv, &vc}, {&rec->q_hat, &qh},
+                                    {&rec->k_hat, &kh}, {&rec->beta, &beta}, {&rec->g, &g}, {&rec->o, &o}})
+                dst->insert(dst->end(), src->begin(), src->end());
+    }
+    if (rec) rec->o_gated = o_gated;
+    linear(y, o_gated.data(), T, w.o_proj);
+}
+
+// The weights of a bound KDA layer, given where its tensors are in memory (chapter 12 or 13 decides).
+template <class At>  // At: const Checkpoint::Ref* -> const std::byte*
+KdaWeights kda_weights(const LayerTensors& t, At&& at) {
+    auto mat = [&](const Checkpoint::Ref* r) {
+        return MatrixRef{reinterpret_cast<const bf16*>(at(r)), nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1])};
+    };
+    auto f32 = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const float*>(at(r)); };
+    return KdaWeights{mat(t.q_proj),  mat(t.k_proj),  mat(t.v_proj),  mat(t.f_a_proj), mat(t.f_b_proj),
+                      mat(t.b_proj),  mat(t.g_proj),  mat(t.o_proj),  f32(t.q_conv),   f32(t.k_conv),
+                      f32(t.v_conv),  f32(t.A_log),   f32(t.dt_bias), f32(t.o_norm)};
+}
+
+}  // namespace kimik3

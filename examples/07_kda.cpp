@@ -1,0 +1,69 @@
+// Example for chapter 07: a KDA state written by one token, then decaying channel by channel; then a
+// real KDA layer of the tiny K3 run as prefill + decode.
+//   make run-07
+#include <cstdio>
+
+#include "../chapters/07_kda.hpp"
+
+#ifndef KIMIK3_SOURCE_DIR
+#define KIMIK3_SOURCE_DIR "."
+#endif
+
+using namespace kimik3;
+
+int main() {
+    std::printf("7.4 one head, Dh = 16: token 1 writes value v under key e0 (beta = 1, no decay)\n");
+    const std::size_t Dh = 16;
+    std::vector<float> S(Dh * Dh, 0.0f), e0(Dh, 0.0f), v(Dh), o(Dh), alpha(Dh, 1.0f), beta = {1.0f};
+    e0[0] = 1.0f;
+    for (std::size_t j = 0; j < Dh; ++j) v[j] = float(j + 1);
+    kda_recurrence_ref(o.data(), S.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
+    std::printf("  read back with q = e0: o[0..4] = %g %g %g %g %g\n", double(o[0]), double(o[1]), double(o[2]), double(o[3]), double(o[4]));
+    std::printf("\n7.3 then four tokens with beta = 0: the state only decays, by alpha of each KEY channel\n");
+    for (std::size_t i = 0; i < Dh; ++i) alpha[i] = 1.0f - 0.05f * float(i);  // key channel i keeps 1 - 0.05 i per token
+    const float k0 = alpha[0];
+    alpha[0] = 0.5f;  // key channel 0 (where v was written) halves each token
+    beta[0] = 0.0f;
+    std::printf("  step  S^T[j=3][key 0]   S^T[j=15][key 0]   o[3] (q = e0)\n");
+    for (int t = 1; t <= 4; ++t) {
+        kda_recurrence_ref(o.data(), S.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
+        std::printf("  %4d  %16.5f  %17.5f  %13.5f\n", t, double(S[3 * Dh]), double(S[15 * Dh]), double(o[3]));
+    }
+    std::printf("  (each step multiplies key channel 0 by alpha_0 = 0.5; another key channel would keep %.2f)\n", double(k0));
+
+    std::printf("\n7.5 the tiny K3's layer 1 on the reference's inputs: prefill 7 tokens, decode 3\n");
+    try {
+        const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/fixtures/tiny-k3";
+        const Config c = load_config(dir);
+        Checkpoint ck(dir);
+        const ModelTensors m = bind_tensors(ck, c);
+        std::vector<Tensor> keep;
+        auto at = [&](const Checkpoint::Ref* r) {
+            keep.push_back(ck.read(r->info->name));
+            return keep.back().bytes.data();
+        };
+        keep.reserve(64);
+        const KdaWeights w = kda_weights(m.layers[1], at);
+        const KdaDims d = KdaDims::from(c);
+        SafetensorsFile ref(dir + "/reference/layers.safetensors");
+        const auto u = to_f32(ref.read("layer.1.attn_norm_out"));
+        KdaState st(d);
+        std::printf("  state: %zu heads x %zu x %zu floats + conv history = %zu bytes (K3: 6.7 MB per layer)\n", d.heads,
+                    d.head_dim, d.head_dim, st.bytes());
+        std::vector<float> y(10 * d.hidden);
+        kda_forward(y.data(), u.data(), 7, w, d, st);
+        kda_forward(y.data() + 7 * d.hidden, u.data() + 7 * d.hidden, 3, w, d, st);
+        for (std::size_t h = 0; h < d.heads; ++h) {
+            double n2 = 0;
+            for (std::size_t i = 0; i < d.head_dim * d.head_dim; ++i) n2 += double(st.S[h * d.head_dim * d.head_dim + i]) * st.S[h * d.head_dim * d.head_dim + i];
+            std::printf("  head %zu: A_log %+.2f -> |S| after 10 tokens %.5f\n", h, double(w.A_log[h]), std::sqrt(n2));
+        }
+        std::printf("  y of the last token, [0..5]:");
+        for (int j = 0; j < 6; ++j) std::printf(" %9.5f", double(y[9 * d.hidden + std::size_t(j)]));
+        std::printf("\n");
+    } catch (const Error& e) {
+        std::fprintf(stderr, "error: %s\n", e.what());
+        return 2;
+    }
+    return 0;
+}
