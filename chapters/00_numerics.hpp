@@ -95,10 +95,10 @@ namespace kimik3 {
 // field, value); `kind` lets the command-line driver map it to an exit code without parsing text.
 enum class ErrorKind {
     usage,     // a bad argument or a shape that breaks a kernel's contract (exit code 2)
-    format,    // a file or config that is malformed or refused (exit code 2)
-    io,        // a read/write that failed: short read, EIO, missing file (exit code 4 for weights)
+    format,    // a file or config that is missing, malformed or refused (exit code 2)
+    io,        // a read that failed once the file was open: short read, EIO (exit code 4)
     budget,    // a memory budget below the floor (exit code 3)
-    runtime,   // anything else that went wrong while computing (exit code 1)
+    runtime,   // anything else: a failed write, a computation that cannot go on (exit code 1)
 };
 
 struct Error : std::runtime_error {
@@ -289,7 +289,7 @@ inline float silu(float x) { return x * sigmoid(x); }
 // ---------------------------------------------------------------------------------------------------
 // Threads only ever split independent outputs. `parallel_rows(n, work_per_row, f)` calls
 // f(begin, end) on contiguous row ranges, one per thread, and runs single-threaded when the whole job is
-// too small to repay waking the thread team (~64k multiply-adds). Which thread computes a row never
+// too small to repay waking the thread team (~256k multiply-adds, about 50 microseconds of work). Which thread computes a row never
 // changes that row's bits, so the split can be anything; a static, contiguous one is simplest.
 inline int max_threads() {
 #ifdef _OPENMP
@@ -307,11 +307,20 @@ inline void set_threads(int n) {
 #endif
 }
 
+// Already inside a parallel region (a kernel called per head): run here, do not nest a team.
+inline bool in_parallel() {
+#ifdef _OPENMP
+    return omp_in_parallel();
+#else
+    return false;
+#endif
+}
+
 template <class F>
 void parallel_rows(std::size_t n_rows, std::size_t work_per_row, F&& f) {
-    const std::size_t kMinWork = std::size_t(1) << 16;
+    const std::size_t kMinWork = std::size_t(1) << 18;
     if (n_rows == 0) return;
-    if (max_threads() == 1 || n_rows * work_per_row < kMinWork || n_rows < 2) {
+    if (max_threads() == 1 || n_rows * work_per_row < kMinWork || n_rows < 2 || in_parallel()) {
         f(std::size_t(0), n_rows);
         return;
     }

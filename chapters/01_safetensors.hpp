@@ -70,6 +70,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -211,9 +212,11 @@ class Fd {
 
 inline std::string errno_text(int e) { return std::string(std::strerror(e)); }
 
+// A file that cannot be opened is a refused input (ErrorKind::format: exit code 2 in the CLI), not a
+// failed read: ErrorKind::io is kept for reads that fail once a file is open (exit code 4).
 inline Fd open_read(const std::string& path, int extra_flags = 0) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra_flags);
-    if (fd < 0) fail(ErrorKind::io, path + ": cannot open: " + errno_text(errno));
+    if (fd < 0) fail(ErrorKind::format, path + ": cannot open: " + errno_text(errno));
     return Fd(fd);
 }
 
@@ -560,7 +563,7 @@ class Checkpoint {
             shards_.push_back(std::make_unique<SafetensorsFile>(dir + "/model.safetensors"));
             for (const TensorInfo& t : shards_[0]->tensors()) refs_.emplace(t.name, Ref{shards_[0].get(), &t});
         } else if (!fs::is_directory(dir)) {
-            fail(ErrorKind::io, dir + ": not a directory");
+            fail(ErrorKind::format, dir + ": not a directory");
         } else {
             fail(ErrorKind::format, dir + ": neither model.safetensors.index.json nor model.safetensors is here");
         }
@@ -689,12 +692,12 @@ class SafetensorsWriter {
     void write(const std::string& path) const {
         const std::string tmp = path + ".tmp";
         const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd < 0) fail(ErrorKind::io, tmp + ": cannot create: " + errno_text(errno));
+        if (fd < 0) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
         auto bail = [&](const std::string& what) {
             const int e = errno;
             ::close(fd);
             ::unlink(tmp.c_str());
-            fail(ErrorKind::io, tmp + ": " + what + ": " + errno_text(e));
+            fail(ErrorKind::runtime, tmp + ": " + what + ": " + errno_text(e));
         };
         const std::string head = header_bytes();
         std::uint64_t pos = 0;
@@ -717,9 +720,21 @@ class SafetensorsWriter {
         if (::fsync(fd) != 0) bail("could not be flushed to disk");
         if (::close(fd) != 0) {
             ::unlink(tmp.c_str());
-            fail(ErrorKind::io, tmp + ": close failed");
+            fail(ErrorKind::runtime, tmp + ": close failed");
         }
-        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::io, path + ": rename failed: " + errno_text(errno));
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
+    }
+
+    // Any small text file (JSON next to the weights), written the same atomic way.
+    static void write_text_atomic(const std::string& path, const std::string& text) {
+        const std::string tmp = path + ".tmp";
+        {
+            std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+            f.write(text.data(), std::streamsize(text.size()));
+            f.flush();
+            if (!f) fail(ErrorKind::runtime, tmp + ": write failed");
+        }
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
     }
 
   private:
