@@ -686,6 +686,39 @@ struct Census {
     }
 };
 
+// The bytes of the state that stays resident whatever the budget (shared by both census functions).
+inline void census_state(Census& s, const Config& c) {
+    for (std::uint64_t b : s.layer_trunk_bytes) s.largest_layer_bytes = std::max(s.largest_layer_bytes, b);
+    const std::uint64_t P = std::uint64_t(c.kda_width()), Dh = std::uint64_t(c.kda_head_dim);
+    s.kda_state_bytes = std::uint64_t(c.count(AttnKind::KDA)) *
+                        (std::uint64_t(c.kda_num_heads) * Dh * Dh + std::uint64_t(c.short_conv_kernel_size - 1) * 3 * P) * 4;
+    s.mla_cache_bytes_per_token = std::uint64_t(c.count(AttnKind::MLA)) * std::uint64_t(c.mla_cache_width()) * 4;
+    s.per_token_bytes = s.trunk_bytes + s.embed_bytes / std::uint64_t(c.vocab_size) + s.lm_head_bytes + s.final_bytes +
+                        std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * s.expert_bytes;
+}
+
+// What a release-layout checkpoint of this config holds, from the config alone (spec 2): for planning
+// the real 93-layer K3 without its 1.56 TB. Equal to take_census on a bound checkpoint (a test).
+inline Census config_census(const Config& c) {
+    Census s;
+    const std::uint64_t D = std::uint64_t(c.hidden_size), V = std::uint64_t(c.vocab_size);
+    s.embed_bytes = s.lm_head_bytes = V * D * 2;
+    s.final_bytes = 3 * D * 2;
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+        std::uint64_t b = 0;
+        for (const Expected& e : expected_layer_tensors(c, l)) b += std::uint64_t(e.shape.numel()) * dtype_size(e.dtype), ++s.tensors;
+        s.layer_trunk_bytes.push_back(b);
+        s.trunk_bytes += b;
+    }
+    for (const Shape& sh : expert_part_shapes(c)) s.expert_bytes += std::uint64_t(sh.numel());
+    s.expert_count = std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts);
+    s.expert_bytes_total = s.expert_count * s.expert_bytes;
+    s.tensors += 5 + s.expert_count * 6;
+    s.bytes = s.embed_bytes + s.lm_head_bytes + s.final_bytes + s.trunk_bytes + s.expert_bytes_total;
+    census_state(s, c);
+    return s;
+}
+
 inline Census take_census(const Checkpoint& ck, const Config& c, const ModelTensors& m) {
     Census s;
     std::set<const TensorInfo*> text;
@@ -696,13 +729,11 @@ inline Census take_census(const Checkpoint& ck, const Config& c, const ModelTens
     s.embed_bytes = add(m.embed);
     s.lm_head_bytes = add(m.lm_head);
     s.final_bytes = add(m.final_norm) + add(m.out_res_norm) + add(m.out_res_proj);
-    int moe_layers = 0;
     for (const LayerTensors& lt : m.layers) {
         std::uint64_t b = 0;
         for (const Checkpoint::Ref* r : lt.all) b += add(r);
         s.layer_trunk_bytes.push_back(b);
         s.trunk_bytes += b;
-        moe_layers += lt.plan.ffn == FfnKind::MoE;
     }
     for (const auto& layer : m.experts)
         for (const ExpertLocation& e : layer) {
@@ -716,13 +747,7 @@ inline Census take_census(const Checkpoint& ck, const Config& c, const ModelTens
         s.bytes += ref.info->nbytes();
         if (!text.count(ref.info)) ++s.other_tensors, s.other_bytes += ref.info->nbytes();
     }
-    s.per_token_bytes = s.trunk_bytes + s.embed_bytes / std::uint64_t(c.vocab_size) + s.lm_head_bytes + s.final_bytes +
-                        std::uint64_t(moe_layers) * std::uint64_t(c.num_experts_per_token) * s.expert_bytes;
-    for (std::uint64_t b : s.layer_trunk_bytes) s.largest_layer_bytes = std::max(s.largest_layer_bytes, b);
-    const std::uint64_t P = std::uint64_t(c.kda_width()), Dh = std::uint64_t(c.kda_head_dim);
-    s.kda_state_bytes = std::uint64_t(c.count(AttnKind::KDA)) *
-                        (std::uint64_t(c.kda_num_heads) * Dh * Dh + std::uint64_t(c.short_conv_kernel_size - 1) * 3 * P) * 4;
-    s.mla_cache_bytes_per_token = std::uint64_t(c.count(AttnKind::MLA)) * std::uint64_t(c.mla_cache_width()) * 4;
+    census_state(s, c);
     return s;
 }
 

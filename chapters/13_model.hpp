@@ -1,0 +1,280 @@
+// kimik3 chapter 13: model -- the whole of Kimi K3, token ids in, logits out, at any memory budget.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   Everything so far, assembled in the order of spec 3.9: the embedding, 93 layers of AttnRes mixes,
+//   norms, KDA or MLA with their carried state, the dense FFN or the latent MoE, then the final mix, the
+//   final norm and lm_head. The forward step takes T tokens at once (a prompt chunk) or one (decode),
+//   and gives each token exactly the bits it would get alone; the memory plan (chapter 12) and the
+//   expert provider (chapters 10, 11) decide only where weights come from. New since chapter 12: the
+//   session (every layer's carried state) and the three ways to run a sequence: teacher forcing,
+//   greedy generation, and incremental decode checked against full recompute.
+//
+// WHERE THIS SITS IN KIMI K3 (spec 3.1-3.9)
+//   Per token: 1 embedding row (14 kB), 108.8 GB of trunk, 16 x 92 experts (25.8 GB), 2.35 GB lm_head
+//   when nothing is resident; the carried state is 434 MB of KDA matrices plus 24 x 576 floats of latent
+//   MLA cache per position.
+//
+// CONCEPTS
+//   session       the per-sequence state: one KdaState per KDA layer, one MlaCache per MLA layer, and the
+//                 number of positions processed. AttnRes keeps nothing across tokens.
+//   step          one forward call over T new tokens at the end of the session.
+//   teacher forcing  run a given sequence and read every position's logits.
+//   incremental   prefill the prompt, then one token per step, carrying the session.
+//   recompute     for every generated token, a fresh session over the whole sequence so far: slower,
+//                 and by construction bit-identical to incremental (a test, and a run option).
+//
+// NUMERICS CONTRACT
+//   Everything is the chapters' contracts composed in spec order; the driver adds no arithmetic of its
+//   own except the embedding widening (exact) and argmax (first maximum: the lowest id wins a tie).
+//   Logits are f32 (spec 3.7: no soft-capping, no scaling). A step of T tokens = T steps of one token.
+//
+// USES     chapters 02, 06-12
+// RUN      make run (kimik3 run on the tiny K3)     TEST   make test-13 (the exactness gates)
+//
+// SECTIONS
+//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step
+//   13.4 teacher forcing, greedy, incremental and recompute
+// ====================================================================================================
+#pragma once
+
+#include <fstream>
+#include <memory>
+#include <span>
+#include <optional>
+#include <vector>
+
+#include "02_config.hpp"
+#include "06_situ_ffn.hpp"
+#include "07_kda.hpp"
+#include "08_mla.hpp"
+#include "09_attn_res.hpp"
+#include "10_moe.hpp"
+#include "11_expert_cache.hpp"
+#include "12_trunk_stream.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 13.1 The model
+// ---------------------------------------------------------------------------------------------------
+struct ModelOptions {
+    std::uint64_t budget = 0;             // bytes; 0 = everything resident (no floor check)
+    PlanOptions plan;                     // context, chunk size, ring and expert slots (0 = planner's choice)
+    std::string trunk_dir;                // a packed trunk (kimik3 pack-trunk), or "" to read the shards
+    bool direct = true;                   // O_DIRECT reads where the filesystem allows them
+    int expert_readers = 8;               // parallel expert reads per batch
+    Progress progress;                    // called while loading
+};
+
+class Model {
+  public:
+    Config config;
+    Checkpoint checkpoint;
+    ModelTensors tensors;
+    Census census;
+    Plan plan;
+
+    Model(const std::string& dir, const ModelOptions& o)
+        : config(load_config(dir)), checkpoint(dir), tensors(bind_tensors(checkpoint, config)),
+          census(take_census(checkpoint, config, tensors)) {
+        const std::uint64_t budget = o.budget ? o.budget : UINT64_MAX / 4;
+        PlanOptions po = o.plan;
+        if (!o.budget && !po.expert_slots)  // everything resident: every expert of every layer
+            po.expert_slots = std::size_t(config.num_experts) * std::size_t(std::max(1, config.moe_layer_count()));
+        plan = make_plan(config, census, budget, po);
+        if (budget < plan.floor) fail(ErrorKind::budget, plan_error_floor(plan));
+        if (!o.trunk_dir.empty()) trunk_layout_ = load_trunk(o.trunk_dir, tensors);
+        trunk_ = std::make_unique<TrunkWeights>(tensors, plan, trunk_layout_ ? &*trunk_layout_ : nullptr, o.direct, o.progress);
+        if (config.moe_layer_count() > 0)
+            experts_ = std::make_unique<ExpertCache>(tensors, config, std::max<std::size_t>(plan.expert_slots, 1),
+                                                     ExpertCacheOptions{o.direct, o.expert_readers, PolicyKind::lru});
+    }
+
+    TrunkWeights& trunk() { return *trunk_; }
+    ExpertCache* experts() { return experts_.get(); }
+
+  private:
+    std::optional<TrunkLayout> trunk_layout_;
+    std::unique_ptr<TrunkWeights> trunk_;
+    std::unique_ptr<ExpertCache> experts_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 13.2 The session
+// ---------------------------------------------------------------------------------------------------
+struct Session {
+    std::vector<std::optional<KdaState>> kda;  // per layer: set for KDA layers
+    std::vector<std::optional<MlaCache>> mla;  // per layer: set for MLA layers
+    std::vector<std::int64_t> tokens;          // every token processed so far
+
+    Session(const Config& c, std::size_t context) {
+        for (int l = 0; l < c.num_hidden_layers; ++l) {
+            if (c.layers[std::size_t(l)].attn == AttnKind::KDA) {
+                kda.emplace_back(KdaState(KdaDims::from(c)));
+                mla.emplace_back();
+            } else {
+                kda.emplace_back();
+                mla.emplace_back(MlaCache(context, MlaDims::from(c).cache_width(), l));
+            }
+        }
+    }
+    std::size_t position() const { return tokens.size(); }
+    void reset() {
+        for (auto& k : kda)
+            if (k) k->reset();
+        for (auto& m : mla)
+            if (m) m->reset();
+        tokens.clear();
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 13.3 One forward step: T new tokens through the whole model (spec 3.9)
+// ---------------------------------------------------------------------------------------------------
+// `logits` receives (T, V) when all_logits, else only the last token's (1, V).
+inline void forward(float* logits, Model& model, Session& s, const std::int64_t* ids, std::size_t T, bool all_logits) {
+    const Config& c = model.config;
+    const std::size_t D = std::size_t(c.hidden_size);
+    const float eps = c.rms_norm_eps;
+    TrunkWeights& tw = model.trunk();
+    auto bf16_at = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const bf16*>(tw.small(r)); };
+    auto f32_at = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const float*>(tw.small(r)); };
+    auto gamma = [&](const Checkpoint::Ref* r) {  // a norm weight, bf16 -> f32 (exact)
+        std::vector<float> g(std::size_t(r->info->numel()));
+        const bf16* b = bf16_at(r);
+        for (std::size_t j = 0; j < g.size(); ++j) g[j] = bf16_to_f32(b[j]);
+        return g;
+    };
+    if (model.experts()) model.experts()->begin_step();
+
+    // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
+    std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
+    std::vector<ResidualState> res(T);
+    for (std::size_t t = 0; t < T; ++t) {
+        tw.embed_row(&x[t * D], ids[t]);
+        res[t].start(&x[t * D], D);
+    }
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+        const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
+        // [AttnRes attn-mix] -> RMSNorm(input_layernorm)
+        attn_res_fold(w.data(), AttnResWeights{bf16_at(lt.attn_res_norm), bf16_at(lt.attn_res_proj)}, D);
+        const std::vector<float> g_in = gamma(lt.input_norm);
+        for (std::size_t t = 0; t < T; ++t) {
+            res[t].attn_input(&x[t * D], l, c.attn_res_block_size, w.data(), eps);
+            rmsnorm(&u[t * D], &x[t * D], g_in.data(), D, eps);
+        }
+        // {KDA | Gated MLA} -> partial += out
+        if (lt.plan.attn == AttnKind::KDA) {
+            const KdaWeights kw{tw.matrix(lt.q_proj), tw.matrix(lt.k_proj), tw.matrix(lt.v_proj), tw.matrix(lt.f_a_proj),
+                                tw.matrix(lt.f_b_proj), tw.matrix(lt.b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj),
+                                f32_at(lt.q_conv), f32_at(lt.k_conv), f32_at(lt.v_conv), f32_at(lt.A_log),
+                                f32_at(lt.dt_bias), f32_at(lt.o_norm)};
+            kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), *s.kda[std::size_t(l)]);
+        } else {
+            const MlaWeights mw{tw.matrix(lt.q_a_proj), bf16_at(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
+                                bf16_at(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};
+            mla_forward(out.data(), u.data(), T, mw, MlaDims::from(c), *s.mla[std::size_t(l)]);
+        }
+        for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
+        // [AttnRes mlp-mix] -> RMSNorm(post_attention_layernorm)
+        attn_res_fold(w.data(), AttnResWeights{bf16_at(lt.mlp_res_norm), bf16_at(lt.mlp_res_proj)}, D);
+        const std::vector<float> g_post = gamma(lt.post_attn_norm);
+        for (std::size_t t = 0; t < T; ++t) {
+            res[t].mix(&x[t * D], w.data(), eps);
+            rmsnorm(&u[t * D], &x[t * D], g_post.data(), D, eps);
+        }
+        // {dense SiTU | latent MoE + shared} -> partial += out
+        const Situ situ{c.situ_beta, c.situ_linear_beta};
+        if (lt.plan.ffn == FfnKind::Dense) {
+            dense_ffn(out.data(), u.data(), T, DenseFfnWeights{tw.matrix(lt.gate_proj), tw.matrix(lt.up_proj), tw.matrix(lt.down_proj)}, situ);
+        } else {
+            const DenseFfnWeights shared = lt.shared_gate
+                                               ? DenseFfnWeights{tw.matrix(lt.shared_gate), tw.matrix(lt.shared_up), tw.matrix(lt.shared_down)}
+                                               : DenseFfnWeights{};
+            const MoeWeights mw{tw.matrix(lt.router), f32_at(lt.router_bias), tw.matrix(lt.latent_down),
+                                bf16_at(lt.latent_norm), tw.matrix(lt.latent_up), shared};
+            moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts());
+        }
+        for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
+    }
+    // 3.7 the final mix, model.norm, lm_head
+    attn_res_fold(w.data(), AttnResWeights{bf16_at(model.tensors.out_res_norm), bf16_at(model.tensors.out_res_proj)}, D);
+    const std::vector<float> g_final = gamma(model.tensors.final_norm);
+    const std::size_t first = all_logits ? 0 : T - 1, n = T - first;
+    for (std::size_t t = first; t < T; ++t) {
+        res[t].mix(&x[t * D], w.data(), eps);
+        rmsnorm(&u[(t - first) * D], &x[t * D], g_final.data(), D, eps);
+    }
+    linear(logits, u.data(), n, tw.lm_head());
+    s.tokens.insert(s.tokens.end(), ids, ids + T);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 13.4 Teacher forcing, greedy generation, incremental decode and full recompute
+// ---------------------------------------------------------------------------------------------------
+// The first maximum: ties go to the lowest id (never a platform-dependent order).
+inline std::int64_t argmax(const float* v, std::size_t n) {  // v (n)
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < n; ++i)
+        if (v[i] > v[best]) best = i;
+    return std::int64_t(best);
+}
+
+// Every position's logits for a given sequence, in prompt chunks of at most `chunk` tokens.
+inline std::vector<float> teacher_force(Model& model, Session& s, const std::vector<std::int64_t>& ids, std::size_t chunk) {
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    std::vector<float> logits(ids.size() * V);
+    for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
+        const std::size_t n = std::min(chunk, ids.size() - t0);
+        forward(&logits[t0 * V], model, s, &ids[t0], n, true);
+    }
+    return logits;
+}
+
+struct Generation {
+    std::vector<std::int64_t> ids;   // the generated tokens
+    std::vector<float> logits;       // (steps, V): the logits each token was chosen from
+};
+
+// Generates up to `steps` tokens after `prompt`. Incremental: one prefill (in chunks of `chunk`), then
+// one token per step, carrying the session. Recompute: every step starts a fresh session over the whole
+// sequence so far. `choose(logits)` picks each token (greedy: argmax); `on_token(step, id)` sees it as
+// soon as it is chosen and returns false to stop (a stop token).
+template <class Choose, class OnToken>
+Generation generate(Model& model, const std::vector<std::int64_t>& prompt, std::size_t steps, std::size_t chunk, bool recompute,
+                    std::size_t context, Choose&& choose, OnToken&& on_token) {
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    if (prompt.empty()) fail(ErrorKind::usage, "generate: the prompt is empty");
+    Generation g;
+    std::vector<float> last(V);
+    Session s(model.config, context);
+    std::vector<std::int64_t> seq = prompt;
+    for (std::size_t step = 0; step < steps; ++step) {
+        if (recompute || step == 0) {
+            s.reset();
+            for (std::size_t t0 = 0; t0 < seq.size(); t0 += chunk) {
+                const std::size_t n = std::min(chunk, seq.size() - t0);
+                forward(last.data(), model, s, &seq[t0], n, false);
+            }
+        } else {
+            forward(last.data(), model, s, &seq.back(), 1, false);
+        }
+        const std::int64_t id = choose(std::span<const float>(last.data(), V));
+        g.logits.insert(g.logits.end(), last.begin(), last.end());
+        g.ids.push_back(id);
+        seq.push_back(id);
+        if (!on_token(step, id)) break;
+    }
+    return g;
+}
+
+template <class OnToken>
+Generation generate_greedy(Model& model, const std::vector<std::int64_t>& prompt, std::size_t steps, std::size_t chunk, bool recompute,
+                           std::size_t context, OnToken&& on_token) {
+    return generate(model, prompt, steps, chunk, recompute, context,
+                    [](std::span<const float> l) { return argmax(l.data(), l.size()); },
+                    [&](std::size_t step, std::int64_t id) { on_token(step, id); return true; });
+}
+
+}  // namespace kimik3

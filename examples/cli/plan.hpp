@@ -1,0 +1,40 @@
+// kimik3 plan (MODEL_DIR | --config CONFIG) --budget SIZE | --preset NAME: what runs where at a budget.
+#pragma once
+
+#include "common.hpp"
+
+namespace kimik3::cli {
+
+inline const char* kPlanUsage =
+    "usage: kimik3 plan (MODEL_DIR | --config CONFIG.json) (--budget SIZE | --preset NAME) [--context N]\n"
+    "\n"
+    "Prints the memory plan for a model at a budget without running it: what stays resident (carried state,\n"
+    "latent KV cache, small tensors, pinned layers), how the rest streams (ring slots, chunk size, expert\n"
+    "slots), the expected peak memory and the bytes read per token. --config plans from a config.json alone,\n"
+    "e.g. the real 93-layer K3: kimik3 plan --config fixtures/k3-release/config.json --preset laptop.\n"
+    "A budget below the floor is refused (exit code 3) with the floor in the message.\n"
+    "  --context N    positions of latent KV cache to plan for (default 4096)\n";
+
+inline int cmd_plan(std::vector<std::string> args) {
+    if (wants_help(args)) return std::fputs(kPlanUsage, stdout), kExitOk;
+    const std::string config_path = take_option(args, "--config", kPlanUsage), budget = take_option(args, "--budget", kPlanUsage),
+                      preset = take_option(args, "--preset", kPlanUsage), context = take_option(args, "--context", kPlanUsage);
+    if ((config_path.empty() ? args.size() != 1 : !args.empty()) || (!budget.empty() + !preset.empty()) != 1)
+        throw Usage(std::string("plan takes MODEL_DIR or --config, and one of --budget or --preset\n\n") + kPlanUsage);
+    const Config c = load_config(config_path.empty() ? args[0] : config_path);
+    Census s;
+    if (config_path.empty()) {
+        Checkpoint ck(args[0]);
+        s = take_census(ck, c, bind_tensors(ck, c));
+    } else {
+        s = config_census(c);
+    }
+    PlanOptions o;
+    if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kPlanUsage));
+    const Plan p = make_plan(c, s, budget.empty() ? preset_bytes(preset) : parse_size(budget), o);
+    if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p));
+    std::printf("%s", describe_plan(p, c).c_str());
+    return kExitOk;
+}
+
+}  // namespace kimik3::cli

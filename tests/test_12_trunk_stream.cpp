@@ -1,0 +1,217 @@
+// Tests for chapter 12: trunk streaming. Section numbers match the chapter.
+#include "../chapters/12_trunk_stream.hpp"
+
+#include <fstream>
+
+#include "tiny.hpp"
+
+using namespace kimik3;
+using nlohmann::json;
+
+namespace {
+
+const std::string kTiny = test::source_path("fixtures/tiny-k3");
+
+struct TempDir {
+    std::string path;
+    TempDir() {
+        char tmpl[] = "/tmp/kimik3-test12-XXXXXX";
+        REQUIRE(::mkdtemp(tmpl) != nullptr);
+        path = tmpl;
+    }
+    ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+template <class F> std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
+// A file whose byte at offset o is (o * 7 + o / 251) & 0xFF: any misplaced byte is visible.
+std::uint8_t pattern(std::uint64_t o) { return std::uint8_t((o * 7 + o / 251) & 0xFF); }
+
+std::string make_pattern_file(const std::string& dir, std::size_t n) {
+    const std::string path = dir + "/pattern.bin";
+    std::vector<std::uint8_t> b(n);
+    for (std::size_t i = 0; i < n; ++i) b[i] = pattern(i);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(n));
+    return path;
+}
+
+}  // namespace
+
+TEST_CASE("12.1 sizes and presets") {
+    CHECK(parse_size("8G") == 8'000'000'000ull);  // decimal, like every size the program prints
+    CHECK(parse_size("40M") == 40'000'000ull);
+    CHECK(parse_size("1.5G") == 1'500'000'000ull);
+    CHECK(parse_size("16GiB") == 16ull << 30);
+    CHECK(parse_size("4096") == 4096);
+    CHECK(preset_bytes("laptop") == 8'000'000'000ull);
+    CHECK(preset_bytes("server") == 128'000'000'000ull);
+    for (const char* bad : {"", "8X", "-1G", "G", "1e30G", "8gb"})
+        CHECK(error_of([&] { parse_size(bad); }).find("is not a size") != std::string::npos);
+    CHECK(error_of([] { preset_bytes("phone"); }) == "unknown preset 'phone' (laptop 8G, desktop 32G, server 128G, auto)");
+}
+
+TEST_CASE("12.2 the census from a config alone equals the census of the bound checkpoint") {
+    test::Tiny tiny;
+    const Census a = take_census(tiny.ck, tiny.config, tiny.tensors), b = config_census(tiny.config);
+    CHECK(a.layer_trunk_bytes == b.layer_trunk_bytes);
+    CHECK(a.expert_bytes == b.expert_bytes);
+    CHECK(a.expert_bytes_total == b.expert_bytes_total);
+    CHECK(a.embed_bytes == b.embed_bytes);
+    CHECK(a.per_token_bytes == b.per_token_bytes);
+    CHECK(a.kda_state_bytes == b.kda_state_bytes);
+    CHECK(a.bytes - a.other_bytes == b.bytes);  // the checkpoint also holds vision stubs
+}
+
+TEST_CASE("12.2 the real K3's floor is under 2 GB at a 4k context; budgets below it are refused with the floor") {
+    const Config c = load_config(test::source_path("fixtures/k3-release/config.json"));
+    const Census s = config_census(c);
+    // prior art's 108.81 GB, from spec 2's shapes: 2,341,213,184 (layer 0) + 68 x 1,267,744,256 (KDA + MoE)
+    // + 24 x 844,335,616 (MLA + MoE), the per-layer sizes worked out in test 2.7
+    CHECK(s.trunk_bytes == 108'811'877'376ull);
+    const Plan floor = make_plan(c, s, 0, PlanOptions{});
+    CHECK(floor.floor < 2'000'000'000ull);
+    CHECK(floor.state_bytes > 434'000'000ull);  // the KDA states alone are 434 MB (+ conv history)
+    CHECK(plan_error_floor(floor).find("is below the floor of") != std::string::npos);
+    // more memory never reads more: pinned bytes grow, bytes read per token shrink, largest units first
+    std::uint64_t last_read = UINT64_MAX, last_pinned = 0;
+    for (const char* b : {"1G", "4G", "8G", "32G", "128G", "2T"}) {
+        const Plan p = make_plan(c, s, parse_size(b), PlanOptions{});
+        CAPTURE(b);
+        CHECK(p.total() <= p.budget);
+        CHECK(p.trunk_read_per_token <= last_read);
+        CHECK(p.pinned_bytes >= last_pinned);
+        last_read = p.trunk_read_per_token, last_pinned = p.pinned_bytes;
+    }
+    const Plan laptop = make_plan(c, s, preset_bytes("laptop"), PlanOptions{});
+    CHECK(laptop.lm_head_pinned);  // 2.35 GB, the largest unit; then layer 0 (2.34 GB of matrices)
+    CHECK(laptop.pinned[0]);
+    CHECK(laptop.expert_slots >= 2);  // the trunk gets the memory first; experts stream two at a time
+}
+
+TEST_CASE("12.3 the ring hands out exactly the requested bytes; prefetching follows the learned schedule") {
+    TempDir d;
+    const std::string path = make_pattern_file(d.path, 1 << 20);
+    Fd fd = open_read(path);
+    PieceSource src{fd.get(), ::open(path.c_str(), O_RDONLY | O_DIRECT), &path};
+    for (int slots : {1, 2, 3}) {
+        PieceRing ring(slots, 8192, true);
+        std::vector<Piece> pieces;
+        for (std::uint32_t i = 0; i < 40; ++i) pieces.push_back(Piece{i % 5, i, 1000 + 7919ull * i, 5000 + (i % 3) * 1000, &src});
+        for (int pass = 0; pass < 3; ++pass)
+            for (const Piece& p : pieces) {
+                const std::byte* b = ring.acquire(p);
+                std::size_t wrong = 0;
+                for (std::size_t i = 0; i < p.nbytes; ++i) wrong += std::uint8_t(b[i]) != pattern(p.offset + i);
+                std::this_thread::sleep_for(std::chrono::microseconds(50));  // let the reader run meanwhile
+                for (std::size_t i = 0; i < p.nbytes; ++i) wrong += std::uint8_t(b[i]) != pattern(p.offset + i);  // still intact
+                REQUIRE(wrong == 0);
+                ring.release(p);
+            }
+        const RingStats st = ring.stats();
+        CAPTURE(slots);
+        CHECK(st.busy_slot_reads == 0);  // the reader never aimed at a slot in use (the one-slot failure of prior art)
+        CHECK(st.mismatches == 0);
+        if (slots > 1) CHECK(st.prefetched > 0);  // passes 2 and 3 were read ahead
+    }
+    ::close(src.direct_fd);
+}
+
+TEST_CASE("12.3 a failed read surfaces as an error at acquire, and the ring recovers") {
+    TempDir d;
+    const std::string path = make_pattern_file(d.path, 1 << 16);
+    Fd fd = open_read(path);
+    PieceSource src{fd.get(), -1, &path};
+    PieceRing ring(2, 8192, false);
+    const Piece p{0, 0, 100, 4000, &src};
+    detail::pread_hook = [](int, void*, std::size_t, off_t) -> ssize_t { errno = EIO; return -1; };
+    CHECK(error_of([&] { ring.acquire(p); }).find("Input/output error") != std::string::npos);
+    detail::pread_hook = ::pread;
+    const std::byte* b = ring.acquire(p);
+    CHECK(std::uint8_t(b[0]) == pattern(100));
+    ring.release(p);
+    const Piece past_end{0, 1, (1 << 16) - 100, 4000, &src};  // a piece that runs off the file
+    CHECK(error_of([&] { ring.acquire(past_end); }).find("unexpected end of file") != std::string::npos);
+}
+
+TEST_CASE("12.4 pack-trunk: aligned layer runs holding the shard bytes verbatim; load_trunk checks them") {
+    test::Tiny tiny;
+    TempDir d;
+    const TrunkLayout t = pack_trunk(tiny.tensors, d.path, {});
+    CHECK(t.layers.size() == 13);
+    CHECK(std::filesystem::exists(d.path + "/trunk.json"));
+    CHECK(!std::filesystem::exists(d.path + "/trunk.bin.tmp"));
+    Fd fd = open_read(d.path + "/trunk.bin");
+    for (std::size_t l = 0; l < 13; ++l) {
+        CHECK(t.layers[l].file_off % 4096 == 0);
+        for (const Checkpoint::Ref* r : tiny.tensors.layers[l].all) {
+            std::vector<std::byte> got(r->info->nbytes());
+            pread_exact(fd.get(), got.data(), got.size(), t.tensor_off.at(r->info->name), "trunk.bin");
+            REQUIRE(std::memcmp(got.data(), tiny.bytes(r), got.size()) == 0);
+        }
+    }
+    const TrunkLayout loaded = load_trunk(d.path, tiny.tensors);
+    CHECK(loaded.tensor_off == t.tensor_off);
+    // a trunk.json from another model (a tensor's size changed) is refused
+    json j = json::parse(std::ifstream(d.path + "/trunk.json"));
+    j["layers"][2]["tensors"]["language_model.model.layers.2.self_attn.dt_bias"]["nbytes"] = 4;
+    std::ofstream(d.path + "/trunk.json") << j.dump();
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("the trunk was packed from another model") != std::string::npos);
+    // a truncated trunk.bin is refused
+    pack_trunk(tiny.tensors, d.path, {});
+    ::truncate((d.path + "/trunk.bin").c_str(), 4096);
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("trunk.bin is 4096 bytes") != std::string::npos);
+    // an interrupted pack leaves no trunk.json: nothing looks complete
+    std::filesystem::remove(d.path + "/trunk.json");
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("cannot open (run kimik3 pack-trunk first)") != std::string::npos);
+}
+
+TEST_CASE("12.4 pack-trunk refuses a layer whose tensors are not one contiguous run") {
+    test::Tiny tiny;
+    TempDir d;
+    // rewrite the tiny K3 with layer 2's dt_bias moved to the end of the file
+    SafetensorsWriter w;
+    std::vector<std::string> names;
+    for (const auto& [name, ref] : tiny.ck.tensors()) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    const std::string moved = "language_model.model.layers.2.self_attn.dt_bias";
+    for (const std::string& n : names)
+        if (n != moved) {
+            const Tensor t = tiny.ck.read(n);
+            w.add(n, t.info.dtype, t.info.shape, t.bytes.data(), t.info.nbytes());
+        }
+    const Tensor t = tiny.ck.read(moved);
+    w.add(moved, t.info.dtype, t.info.shape, t.bytes.data(), t.info.nbytes());
+    w.write(d.path + "/model.safetensors");
+    std::filesystem::copy_file(kTiny + "/config.json", d.path + "/config.json");
+    Checkpoint ck(d.path);
+    const ModelTensors m = bind_tensors(ck, tiny.config);
+    const std::string msg = error_of([&] { pack_trunk(m, d.path + "/out", {}); });
+    CAPTURE(msg);
+    CHECK(msg.find("layer 2's non-expert tensors are not one contiguous run") != std::string::npos);
+    CHECK(!std::filesystem::exists(d.path + "/out/trunk.json"));
+}
+
+TEST_CASE("12.5 embedding rows read on demand equal the resident table's") {
+    test::Tiny tiny;
+    const Census s = take_census(tiny.ck, tiny.config, tiny.tensors);
+    Plan all = make_plan(tiny.config, s, 1ull << 40, PlanOptions{});
+    Plan floor = make_plan(tiny.config, s, 0, PlanOptions{});
+    floor.budget = floor.floor;
+    REQUIRE(all.embed_resident);
+    REQUIRE(!floor.embed_resident);
+    TrunkWeights a(tiny.tensors, all, nullptr, true), b(tiny.tensors, floor, nullptr, true);
+    std::vector<float> ra(128), rb(128);
+    for (std::int64_t id : {0, 1, 255, 479, 511}) {
+        a.embed_row(ra.data(), id);
+        b.embed_row(rb.data(), id);
+        CHECK_BITS_EQ(ra, rb);
+    }
+    CHECK(error_of([&] { b.embed_row(rb.data(), 512); }) == "token id 512 is outside the vocabulary (512)");
+}
