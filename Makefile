@@ -1,6 +1,7 @@
 # kimik3 Makefile: flat on purpose. Every target has one sentence saying what it is for.
 #
 #   make run             build the command-line program and run the main job on the bundled tiny model
+#   make run-examples    every chapter's example, in order
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
 #   make test-scalar     the whole suite with every dispatcher forced to the reference path
@@ -50,7 +51,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run test test-scalar headers examples check-examples bench debug fixtures deps clean
+.PHONY: all run run-examples test test-scalar headers examples check-examples bench debug fixtures deps clean
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
@@ -79,8 +80,14 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 
 # ---- run: the README's first command ---------------------------------------------------------------
-# Until the full-model driver exists this runs every example in chapter order.
-run: deps $(EX_BINS)
+# The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
+# budget that streams part of the trunk, with its plan, per-step table and report on stderr.
+RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 21M
+run: deps $(CLI)
+	$(CLI) run fixtures/tiny-k3 $(RUN_ARGS)
+
+# run-examples: every chapter's example in order.
+run-examples: deps $(EX_BINS)
 	@for ex in $(EX_BINS); do echo "=== $$ex"; $$ex || exit 1; done
 
 # ---- tests -----------------------------------------------------------------------------------------

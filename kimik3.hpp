@@ -8,7 +8,11 @@
 #include "chapters/05_mxfp4.hpp"        // the experts' 4-bit floats, decoded exactly, multiplied in place
 #include "chapters/06_situ_ffn.hpp"     // SiTU-GLU; the dense FFN (bf16) and one routed expert (MXFP4)
 #include "chapters/07_kda.hpp"          // Kimi Delta Attention: short conv, decay gate, delta-rule state, prefill = decode
+#include "chapters/08_mla.hpp"          // Gated MLA, NoPE: the absorbed attention over a latent KV cache
 #include "chapters/09_attn_res.hpp"     // Block Attention Residuals: softmax over depth instead of x + f(x)
 #include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers
+#include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, traces, the simulator
+#include "chapters/12_trunk_stream.hpp" // the trunk at any budget: the plan, pinned layers, a ring of row chunks
+#include "chapters/13_model.hpp"        // the whole model: sessions, forward steps, teacher forcing, generation
 #include "chapters/14_tokenizer.hpp"    // tiktoken BPE: K3's pre-tokenizer as a scanner, merges, streaming UTF-8
 #include "chapters/15_generate.hpp"     // the XTML chat format, stop tokens, seeded sampling

@@ -7,7 +7,9 @@
 //   format (structural special tokens wrapping ordinary-text tags), segment-wise tokenization, stop
 //   tokens, and sampling (greedy, temperature, top-k, top-p) from a seeded generator whose every
 //   rounding step is pinned, so a seed gives the same tokens on every machine and thread count.
-//   (Sections 15.6 onwards, added later: the generation loop, sessions and the REPL.)
+//   Then the model-driven half: a session continued token by token (15.6), one chat turn that feeds
+//   only the new tokens and stops on either stop token (15.7), and sessions saved to and loaded from a
+//   versioned file, so a conversation resumes in a fresh process with bit-identical logits (15.8).
 //
 // WHERE THIS SITS IN KIMI K3
 //   The checkpoint renders chats in Python (encoding_k3.py). A user turn is
@@ -58,25 +60,33 @@
 //      u = (next() >> 40) * 2^-24, a multiple of 2^-24 in [0, 1), exact in f32. Nothing here uses
 //      threads or std:: distributions (whose algorithms are implementation-defined).
 //
-// USES     chapter 14 (Tokenizer), chapter 00 (hsum16, Error).
-// RUN      make run-15    (renders a short chat to ids and text; samples a fixed logit vector)
-// TEST     make test-15   (hand-written XTML token sequences; a hand-worked sampling case)
+//   4. A chat turn feeds exactly the tokens the session has not seen (the previous stop token, the
+//      new message, the generation prompt) and carries every layer's state forward: no history is
+//      recomputed. A saved session holds the token history, every KDA state and every MLA cache; a
+//      file made for another model (config fingerprint) or another format version is refused.
+//
+// USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, forward), chapter 00 (hsum16, Error).
+// RUN      make run-15    (renders a short chat; samples the tiny K3 at two temperatures)
+// TEST     make test-15   (hand-written XTML token sequences; a hand-worked sampling case; sessions)
 //
 // SECTIONS
 //   15.1 messages       15.2 rendering       15.3 stop tokens       15.4 the generator
-//   15.5 sampling
+//   15.5 sampling       15.6 continuing a session    15.7 a chat turn     15.8 sessions on disk
 // ====================================================================================================
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "00_numerics.hpp"
+#include "13_model.hpp"
 #include "14_tokenizer.hpp"
 
 namespace kimik3 {
@@ -282,6 +292,137 @@ inline std::uint32_t sample(std::span<const float> logits, const SamplingParams&
     if (!(sp.temperature > 0.0f)) return greedy(logits);
     const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
     return sample_from(kept, rng.uniform());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 15.6 Continuing a session
+// ---------------------------------------------------------------------------------------------------
+// Feeds `fresh` (in forward steps of at most `chunk` tokens), then draws up to `max_new` tokens, one
+// forward step each, until `on_token(id)` returns false (a stop token: it is NOT fed; the caller keeps
+// it for the next turn). Returns the drawn ids, stop token included when there was one.
+template <class OnToken>
+std::vector<std::int64_t> continue_session(Model& model, Session& s, const std::vector<std::int64_t>& fresh, std::size_t max_new,
+                                           const SamplingParams& sp, SplitMix64& rng, std::size_t chunk, OnToken&& on_token,
+                                           std::vector<float>* logits_out = nullptr) {  // logits_out (drawn, V)
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    if (fresh.empty()) fail(ErrorKind::usage, "continue_session: nothing to feed");
+    std::vector<float> last(V);
+    for (std::size_t t0 = 0; t0 < fresh.size(); t0 += chunk)
+        forward(last.data(), model, s, &fresh[t0], std::min(chunk, fresh.size() - t0), false);
+    std::vector<std::int64_t> drawn;
+    for (std::size_t n = 0; n < max_new; ++n) {
+        if (logits_out) logits_out->insert(logits_out->end(), last.begin(), last.end());
+        const std::int64_t id = std::int64_t(sample(last, sp, rng));
+        drawn.push_back(id);
+        if (!on_token(id) || n + 1 == max_new) break;
+        forward(last.data(), model, s, &id, 1, false);
+    }
+    return drawn;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 15.7 A chat turn
+// ---------------------------------------------------------------------------------------------------
+// A conversation carried across turns: the session (every layer's state) and the stop token that ended
+// the previous reply, which the next turn feeds first (so the history is exactly what the model saw).
+struct Chat {
+    std::size_t context;                 // positions each MLA cache holds
+    Session session;
+    std::vector<std::int64_t> pending;   // tokens drawn but not yet fed (the last stop token)
+    ChatOptions options;
+    Chat(const Config& c, std::size_t ctx) : context(ctx), session(c, ctx) {}
+};
+
+// One user message in, the assistant's reply out (streamed through on_text as complete UTF-8).
+template <class OnText>
+std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& tok, const std::string& user, std::size_t max_new,
+                                    const SamplingParams& sp, SplitMix64& rng, OnText&& on_text) {
+    ChatWriter w(tok);
+    const ChatMessage m{"user", user};
+    render_message(w, m, chat.options);
+    w.open("message" + xtml_attribute("role", "assistant")), w.open(chat.options.thinking ? "think" : "response");
+    std::vector<std::int64_t> fresh = chat.pending;
+    fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
+    const StopTokens stops = stop_tokens(tok);
+    Utf8Stream utf8;
+    const std::vector<std::int64_t> reply = continue_session(model, chat.session, fresh, max_new, sp, rng, 32, [&](std::int64_t id) {
+        if (stops.contains(std::uint32_t(id))) return false;
+        const std::uint32_t u = std::uint32_t(id);
+        on_text(utf8.push(tok.decode(std::span<const std::uint32_t>(&u, 1))));
+        return true;
+    });
+    on_text(utf8.finish());
+    chat.pending.assign(reply.end() - 1, reply.end());  // the last drawn token: a stop token, or the last of max_new
+    return reply;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 15.8 Sessions on disk
+// ---------------------------------------------------------------------------------------------------
+//   "KIMIK3SS" | u32 version (1) | u64 config fingerprint | u64 n tokens | n x i64 tokens
+//   | u64 n pending | n x i64 pending | per KDA layer: KdaState::save | per MLA layer: MlaCache::save
+// The fingerprint hashes every dimension the state's shape depends on, so a file from another model is
+// refused before a byte of state is trusted.
+inline std::uint64_t config_fingerprint(const Config& c) {
+    std::ostringstream o;
+    o << c.hidden_size << ' ' << c.num_hidden_layers << ' ' << c.vocab_size << ' ' << c.schedule_string() << ' ' << c.kda_num_heads
+      << ' ' << c.kda_head_dim << ' ' << c.short_conv_kernel_size << ' ' << c.num_attention_heads << ' ' << c.kv_lora_rank << ' '
+      << c.qk_rope_head_dim << ' ' << c.num_experts << ' ' << c.moe_intermediate_size << ' ' << c.routed_expert_hidden_size;
+    return fnv1a64(o.str());
+}
+
+inline constexpr char kSessionMagic[8] = {'K', 'I', 'M', 'I', 'K', '3', 'S', 'S'};
+inline constexpr std::uint32_t kSessionVersion = 1;
+
+inline void save_chat(const std::string& path, const Model& model, const Chat& chat) {
+    std::ostringstream out(std::ios::binary);
+    auto u64 = [&](std::uint64_t v) { out.write(reinterpret_cast<const char*>(&v), 8); };
+    out.write(kSessionMagic, 8);
+    out.write(reinterpret_cast<const char*>(&kSessionVersion), 4);
+    u64(config_fingerprint(model.config));
+    for (const auto* ids : {&chat.session.tokens, &chat.pending}) {
+        u64(ids->size());
+        out.write(reinterpret_cast<const char*>(ids->data()), std::streamsize(ids->size() * 8));
+    }
+    for (const auto& k : chat.session.kda)
+        if (k) k->save(out);
+    for (const auto& m : chat.session.mla)
+        if (m) m->save(out);
+    SafetensorsWriter::write_text_atomic(path, out.str());
+}
+
+inline void load_chat(const std::string& path, const Model& model, Chat& chat) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(ErrorKind::format, path + ": cannot open");
+    char magic[8] = {};
+    std::uint32_t version = 0;
+    std::uint64_t fp = 0;
+    in.read(magic, 8).read(reinterpret_cast<char*>(&version), 4).read(reinterpret_cast<char*>(&fp), 8);
+    if (!in || std::memcmp(magic, kSessionMagic, 8) != 0) fail(ErrorKind::format, path + ": not a kimik3 session file");
+    if (version != kSessionVersion)
+        fail(ErrorKind::format, path + ": session format version " + std::to_string(version) + ", this program reads " +
+                                    std::to_string(kSessionVersion));
+    if (fp != config_fingerprint(model.config))
+        fail(ErrorKind::format, path + ": the session was made for a different model (config fingerprint differs)");
+    Chat fresh(model.config, chat.context);
+    fresh.options = chat.options;
+    for (auto* ids : {&fresh.session.tokens, &fresh.pending}) {
+        std::uint64_t n = 0;
+        in.read(reinterpret_cast<char*>(&n), 8);
+        if (!in || n > (std::uint64_t(1) << 32)) fail(ErrorKind::format, path + ": the token history is truncated or corrupt");
+        ids->resize(std::size_t(n));
+        in.read(reinterpret_cast<char*>(ids->data()), std::streamsize(n * 8));
+    }
+    try {  // a state that does not read back whole is a bad file, whatever layer noticed it
+        for (auto& k : fresh.session.kda)
+            if (k) k->load(in);
+        for (auto& m : fresh.session.mla)
+            if (m) m->load(in);
+    } catch (const Error& e) {
+        fail(ErrorKind::format, path + ": the session file is truncated or corrupt (" + e.what() + ")");
+    }
+    if (!in) fail(ErrorKind::format, path + ": the session file is truncated");
+    chat = std::move(fresh);
 }
 
 }  // namespace kimik3

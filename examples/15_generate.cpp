@@ -1,6 +1,5 @@
-// Chapter 15 example: a short chat rendered to K3's XTML token ids, then sampling at two temperatures.
-// The sampling here draws from a fixed, hand-made logit vector (clearly labelled): the tiny K3 model
-// that will produce real logits is wired in by the later sections of this chapter.
+// Chapter 15 example: a short chat rendered to K3's XTML token ids, then the tiny K3 replying to a
+// user turn, greedy and sampled at two temperatures from one seed.
 // Usage: 15_generate [TOKENIZER_DIR]
 #include <cstdio>
 #include <string>
@@ -54,24 +53,21 @@ int main(int argc, char** argv) {
     const StopTokens stop = stop_tokens(tok);
     std::printf("15.3 generation stops at %u <|end_of_msg|> or %u [EOS]\n\n", stop.end_of_msg, stop.eos);
 
-    // A hand-made logit vector (NOT model output): a few plausible next tokens, everything else -8.
-    std::vector<float> logits(tok.vocab_size(), -8.0f);
-    const std::pair<const char*, float> favourites[] = {{" the", 3.0f}, {" a", 2.5f}, {" token", 2.0f}, {" model", 1.5f},
-                                                        {" text", 1.0f}, {".", 0.5f}};
-    for (const auto& [text, logit] : favourites) logits[tok.encode(text).at(0)] = logit;
-
-    std::printf("15.5 sampling from HAND-MADE logits (the model is wired in later), seed 2026, top_k 0, top_p 0.95\n");
-    for (float temperature : {0.5f, 1.5f}) {
-        const SamplingParams sp{.temperature = temperature, .top_k = 0, .top_p = 0.95f};
-        const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
-        std::printf("  T = %.1f: %zu ids survive top-p;", double(temperature), kept.size());
-        for (std::size_t j = 0; j < kept.size() && j < 6; ++j)
-            std::printf(" \"%s\" %.3f", tok.decode_text(std::vector<std::uint32_t>{kept[j].id}).c_str(), double(kept[j].p));
+    // The tiny K3 itself (random weights: the text is noise, but every step is the real engine): one
+    // user turn, then replies sampled at two temperatures from the same seed.
+    ModelOptions mo;
+    Model model(std::string(KIMIK3_SOURCE_DIR) + "/fixtures/tiny-k3", mo);
+    std::printf("15.6 the tiny K3 replies to \"Hello!\" (random weights: noise, but every bit the engine's)\n");
+    for (float temperature : {0.0f, 0.7f, 1.5f}) {
+        Chat chat(model.config, 128);
+        chat.options.thinking = false;
         SplitMix64 rng(2026);
+        const SamplingParams sp{.temperature = temperature, .top_k = 40, .top_p = 0.95f};
         std::string text;
-        for (int i = 0; i < 16; ++i) text += tok.decode_text(std::vector<std::uint32_t>{sample(logits, sp, rng)});
-        std::printf("\n         16 draws: \"%s\"\n", text.c_str());
+        const auto reply = chat_turn(model, chat, tok, "Hello!", 12, sp, rng, [&](const std::string& t) { text += t; });
+        std::printf("  T = %.1f: %2zu tokens, ids", double(temperature), reply.size());
+        for (std::int64_t id : reply) std::printf(" %lld", (long long)id);
+        std::printf("\n           text \"%s\"\n", text.c_str());
     }
-    std::printf("  T = 0 (greedy): \"%s\"\n", tok.decode_text(std::vector<std::uint32_t>{greedy(logits)}).c_str());
     return 0;
 }

@@ -1,7 +1,9 @@
 // kimik3: the command-line program. Each command lives in examples/cli/NAME.hpp; this file only
 // dispatches and turns errors into exit codes (see cli/common.hpp).
 //
-//   kimik3 inspect MODEL_DIR     config summary, layer schedule and census of a checkpoint
+//   kimik3 inspect MODEL_DIR        config summary, layer schedule and census of a checkpoint
+//   kimik3 run MODEL_DIR --ids ...  the model at a memory budget, with a report
+//   kimik3 plan, pack-trunk, simulate-cache
 //   kimik3 --help | help CMD
 #include <cstdio>
 #include <map>
@@ -10,6 +12,12 @@
 
 #include "cli/common.hpp"
 #include "cli/inspect.hpp"
+#include "cli/pack_trunk.hpp"
+#include "cli/plan.hpp"
+#include "cli/run.hpp"
+#include "cli/simulate_cache.hpp"
+#include "cli/synth.hpp"
+#include "cli/text.hpp"
 
 using namespace kimik3;
 using namespace kimik3::cli;
@@ -25,6 +33,14 @@ struct Command {
 const std::map<std::string, Command>& commands() {
     static const std::map<std::string, Command> c = {
         {"inspect", {cmd_inspect, kInspectUsage, "print the config summary, the layer schedule and a census of the checkpoint"}},
+        {"run", {cmd_run, kRunUsage, "run the model on ids or a prompt at a memory budget, with a report"}},
+        {"plan", {cmd_plan, kPlanUsage, "print the memory plan for a model (or a config) at a budget"}},
+        {"pack-trunk", {cmd_pack_trunk, kPackTrunkUsage, "copy every layer's non-expert tensors into one aligned trunk.bin"}},
+        {"chat", {cmd_chat, kChatUsage, "a multi-turn conversation that carries the model's state from turn to turn"}},
+        {"tokenize", {cmd_tokenize, kTokenizeUsage, "print the token ids of a text"}},
+        {"detokenize", {cmd_detokenize, kDetokenizeUsage, "print the text of token ids"}},
+        {"synth", {cmd_synth, kSynthUsage, "write a K3-shaped checkpoint (real widths, fewer layers and experts) for benchmarks"}},
+        {"simulate-cache", {cmd_simulate_cache, kSimulateCacheUsage, "replay an expert trace under LRU, LFU and Belady at several sizes"}},
     };
     return c;
 }

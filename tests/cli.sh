@@ -44,4 +44,66 @@ cp fixtures/tiny-k3/model-00001-of-00002.safetensors "$tmp/broken/"
 head -c 100000 fixtures/tiny-k3/model-00002-of-00002.safetensors > "$tmp/broken/model-00002-of-00002.safetensors"
 expect "a truncated shard exits 2 naming the file" 2 "model-00002-of-00002.safetensors.*(ends past the data section|runs past the end)" "$bin" inspect "$tmp/broken"
 
+# ---- kimik3 run on the tiny K3 (ids from fixtures/tiny-k3/reference/model.safetensors) -----------------
+prompt=431,319,265,110,323,149,160,457,343,92,389,328
+greedy=422,492,382,181,250,21,99,445,24,306,227,496,506,392,241,181,205,511,311,494
+tf=211,123,400,274,14,336,202,159,290,7,58,432,192,423,145,452,32,163,404,440,321,414,426,30,381,100,360,318,446,98,367,384
+tf_argmax=425,59,38,134,437,491,469,441,462,437,37,96,498,308,404,5,305,155,400,338,464,173,161,43,415,167,108,349,300,24,180,47
+expect "run: greedy 20 tokens = the reference's" 0 "^$greedy" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --quiet
+expect "run: teacher forcing argmax = the reference's" 0 "^$tf_argmax" "$bin" run fixtures/tiny-k3 --ids $tf --gen 0 --quiet
+expect "run: the report gives the peak RSS" 0 "peak RSS .* \(getrusage" "$bin" run fixtures/tiny-k3 --ids 1,2,3 --gen 2
+expect "run: --prompt goes through the tokenizer and chat format" 0 "plan for a budget" "$bin" run fixtures/tiny-k3 --prompt "Hello, tiny K3" --gen 3
+expect "run: no input" 2 "give exactly one of --ids, --prompt, --prompt-file" "$bin" run fixtures/tiny-k3
+expect "run: two inputs" 2 "give exactly one of" "$bin" run fixtures/tiny-k3 --ids 1 --prompt x
+expect "run: an id outside the vocabulary" 2 "token id 999 is outside the vocabulary \(512\)" "$bin" run fixtures/tiny-k3 --ids 1,999
+expect "run: a budget below the floor exits 3 with the floor" 3 "is below the floor of" "$bin" run fixtures/tiny-k3 --ids 1,2 --budget 1M
+expect "run: a bad size" 2 "'8Q' is not a size" "$bin" run fixtures/tiny-k3 --ids 1 --budget 8Q
+mkdir -p "$tmp/notok"
+cp fixtures/tiny-k3/config.json fixtures/tiny-k3/*.safetensors fixtures/tiny-k3/model.safetensors.index.json "$tmp/notok/"
+expect "run: --prompt without tokenizer files names the file" 2 "tiktoken.model" "$bin" run "$tmp/notok" --prompt hi
+out=$(KIMIK3_TEST_FAIL_READS_AFTER=3 "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --budget 19.3M 2>"$tmp/fail.err")
+rc=$?
+if [ $rc = 4 ] && [ -z "$out" ] && grep -q "Input/output error" "$tmp/fail.err"; then pass=$((pass + 1)); else
+    fail=$((fail + 1)); echo "FAILED: a failed weight read exits 4 and prints no tokens: exit $rc, stdout '$out'"; head -5 "$tmp/fail.err"; fi
+
+# the logits do not depend on the budget or the trunk file: floor, middle, all resident, packed trunk
+expect "pack-trunk" 0 "verified" "$bin" pack-trunk fixtures/tiny-k3 "$tmp/trunk"
+for b in floor middle all trunk; do
+    case $b in
+        floor) opts="--budget 19.3M" ;;
+        middle) opts="--budget 21M" ;;
+        all) opts="" ;;
+        trunk) opts="--budget 19.3M --trunk $tmp/trunk" ;;
+    esac
+    expect "run: dump logits ($b)" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 6 --quiet --dump-logits "$tmp/logits-$b.npy" $opts
+done
+for b in middle all trunk; do
+    if cmp -s "$tmp/logits-floor.npy" "$tmp/logits-$b.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: logits at $b differ from the floor's"; fi
+done
+
+# ---- kimik3 plan --------------------------------------------------------------------------------------
+expect "plan: the real K3 at the laptop preset" 0 "pinned: .* lm_head" "$bin" plan --config fixtures/k3-release/config.json --preset laptop
+expect "plan: below the floor exits 3" 3 "below the floor of" "$bin" plan --config fixtures/k3-release/config.json --budget 500M
+expect "plan: needs a budget" 2 "one of --budget or --preset" "$bin" plan fixtures/tiny-k3
+
+# ---- tokenize, detokenize, chat -------------------------------------------------------------------------
+expect "tokenize: typed specials stay text" 0 "^72,101,407,365,124,111,112,265,124,62,314,336$" "$bin" tokenize fixtures/tiny-k3 "Hello <|open|> world"
+expect "detokenize: specials by name" 0 "^He<\|open\|>" "$bin" detokenize fixtures/tiny-k3 72,101,483
+expect "detokenize: an id outside the vocabulary" 2 "outside the vocabulary" "$bin" detokenize fixtures/tiny-k3 72,9999
+a=$(printf 'Hello!\n/save %s\nAnd again?\n' "$tmp/s.session" | "$bin" chat fixtures/tiny-k3 --max-new 8 2>/dev/null | tail -n 1)
+b=$(printf '/load %s\nAnd again?\n' "$tmp/s.session" | "$bin" chat fixtures/tiny-k3 --max-new 8 2>/dev/null | tail -n 1)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: chat: a saved session resumes in a new process to the same reply ('$a' vs '$b')"; fi
+expect "chat: a session from a file that is not one is refused, the chat goes on" 0 "not loaded: .*not a kimik3 session file" \
+    sh -c "printf '/load fixtures/tiny-k3/config.json\n/quit\n' | '$bin' chat fixtures/tiny-k3"
+
+# ---- simulate-cache ------------------------------------------------------------------------------------
+expect "simulate-cache prints the table" 0 "no policy at any size hits more than 69.2%" "$bin" simulate-cache fixtures/traces/tiny.k3trace --sizes 5,48,148 --svg "$tmp/t.svg"
+expect "simulate-cache: LRU keeps nothing at 5 slots" 0 " 5 .* LRU +0\.0 +0\.0 " "$bin" simulate-cache fixtures/traces/tiny.k3trace --sizes 5 --svg "$tmp/t.svg"
+expect "simulate-cache writes the plot" 0 "</svg>" cat "$tmp/t.svg"
+expect "simulate-cache --help" 0 "usage: kimik3 simulate-cache TRACE" "$bin" simulate-cache --help
+expect "simulate-cache of a file that is not a trace exits 2" 2 "not a kimik3 expert trace" "$bin" simulate-cache fixtures/tiny-k3/config.json --svg "$tmp/x.svg"
+expect "simulate-cache of a missing trace exits 2" 2 "is not a file" "$bin" simulate-cache "$tmp/none.k3trace"
+expect "simulate-cache with a bad size exits 2" 2 "--sizes: 0 is not a cache size" "$bin" simulate-cache fixtures/traces/tiny.k3trace --sizes 0
+expect "run --trace-experts then simulate-cache on it" 0 "Belady" sh -c "'$bin' run fixtures/tiny-k3 --ids $prompt --gen 10 --quiet --trace-experts '$tmp/run.k3trace' >/dev/null 2>&1 && '$bin' simulate-cache '$tmp/run.k3trace' --sizes 5,20 --svg '$tmp/run.svg'"
+
 echo "kimik3-tests: cli.sh $pass passed, $fail failed"

@@ -191,3 +191,113 @@ TEST_CASE("15.5 sampling is reproducible: same seed, same ids, for 1 and 2 threa
     INFO("first ids: " << first[0] << " " << first[1] << " " << first[2] << " " << first[3]);
     CHECK(first == std::vector<std::uint32_t>{488, 322, 47, 425, 315, 185, 331, 279});
 }
+
+// ---- the model-driven half (15.6-15.8): the tiny K3 in chat -----------------------------------------
+namespace {
+
+struct TinyChat {
+    ModelOptions o;
+    Model model{test::source_path("fixtures/tiny-k3"), o};
+};
+
+std::vector<std::int64_t> turn(Model& m, Chat& c, const std::string& text, std::vector<float>* logits = nullptr) {
+    ChatWriter w(tiny());
+    render_message(w, ChatMessage{"user", text}, c.options);
+    w.open("message" + xtml_attribute("role", "assistant")), w.open(c.options.thinking ? "think" : "response");
+    std::vector<std::int64_t> fresh = c.pending;
+    fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
+    SplitMix64 rng(7);
+    SamplingParams greedy_params;
+    greedy_params.temperature = 0;
+    const StopTokens stops = stop_tokens(tiny());
+    const auto reply = continue_session(m, c.session, fresh, 6, greedy_params, rng, 32, [&](std::int64_t id) { return !stops.contains(std::uint32_t(id)); }, logits);
+    c.pending.assign(reply.end() - 1, reply.end());
+    return reply;
+}
+
+struct TempFile {
+    std::string path = "/tmp/kimik3-test15-" + std::to_string(::getpid()) + ".session";
+    ~TempFile() { std::remove(path.c_str()); }
+};
+
+}  // namespace
+
+TEST_CASE("15.7 a chat turn feeds only the new tokens, and equals recomputing the whole conversation") {
+    TinyChat t;
+    Chat c(t.model.config, 256);
+    c.options.thinking = false;
+    turn(t.model, c, "Hello there.");
+    const std::size_t after_one = c.session.tokens.size();
+    std::vector<float> carried;
+    turn(t.model, c, "And now?", &carried);
+    // the second turn fed: the pending token, the user message, the assistant prompt, then one per draw
+    CHECK(c.session.tokens.size() > after_one);
+    // recompute: a fresh session teacher-forced over the whole history gives the same first logits
+    Session fresh(t.model.config, 256);
+    std::vector<std::int64_t> history(c.session.tokens.begin(), c.session.tokens.end());
+    const std::size_t V = 512;
+    const std::size_t second_turn_first = after_one + (c.session.tokens.size() - after_one) - (carried.size() / V - 1);
+    history.resize(second_turn_first);
+    std::vector<float> last(V);
+    for (std::size_t t0 = 0; t0 < history.size(); t0 += 32) forward(last.data(), t.model, fresh, &history[t0], std::min<std::size_t>(32, history.size() - t0), false);
+    CHECK_BITS_EQ(last, std::span<const float>(carried.data(), V));
+}
+
+TEST_CASE("15.8 a session saved after two turns and loaded into a fresh model continues with bit-identical logits") {
+    TempFile f;
+    std::vector<float> a_logits, b_logits;
+    std::vector<std::int64_t> a_ids, b_ids;
+    {
+        TinyChat t;
+        Chat c(t.model.config, 256);
+        turn(t.model, c, "First question.");
+        turn(t.model, c, "Second question.");
+        save_chat(f.path, t.model, c);
+        a_ids = turn(t.model, c, "Third.", &a_logits);
+    }
+    {
+        TinyChat t;  // a new model object: nothing shared with the first but the files
+        Chat c(t.model.config, 256);
+        load_chat(f.path, t.model, c);
+        b_ids = turn(t.model, c, "Third.", &b_logits);
+    }
+    CHECK(a_ids == b_ids);
+    CHECK_BITS_EQ(a_logits, b_logits);
+}
+
+TEST_CASE("15.8 session files for another model, another version, or truncated are refused") {
+    TempFile f;
+    TinyChat t;
+    Chat c(t.model.config, 64);
+    turn(t.model, c, "Hi.");
+    save_chat(f.path, t.model, c);
+    std::string bytes;
+    {
+        std::ifstream in(f.path, std::ios::binary);
+        bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    auto write = [&](const std::string& b) { std::ofstream(f.path, std::ios::binary | std::ios::trunc) << b; };
+    auto error = [&] {
+        try {
+            Chat d(t.model.config, 64);
+            load_chat(f.path, t.model, d);
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        return std::string("(no error)");
+    };
+    std::string other = bytes;
+    other[12] ^= 1;  // the config fingerprint
+    write(other);
+    CHECK(error().find("the session was made for a different model") != std::string::npos);
+    std::string v2 = bytes;
+    v2[8] = 2;  // the version
+    write(v2);
+    CHECK(error().find("session format version 2, this program reads 1") != std::string::npos);
+    write(bytes.substr(0, bytes.size() - 100));
+    const std::string truncated = error();
+    CAPTURE(truncated);
+    CHECK(truncated.find("truncated") != std::string::npos);
+    write("not a session");
+    CHECK(error().find("not a kimik3 session file") != std::string::npos);
+}

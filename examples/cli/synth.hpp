@@ -1,0 +1,235 @@
+// kimik3 synth OUT_DIR: a K3-shaped checkpoint (real widths, fewer layers and experts), for benchmarks.
+#pragma once
+
+#include <sys/statvfs.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "common.hpp"
+
+namespace kimik3::cli {
+
+inline const char* kSynthUsage =
+    "usage: kimik3 synth OUT_DIR [--layers N] [--experts E] [--seed S] [--config CONFIG.json] [--force]\n"
+    "\n"
+    "Writes a checkpoint in the release layout (nested config.json, shards, model.safetensors.index.json,\n"
+    "language_model.* names, MXFP4 routed experts in the compressed-tensors layout, F32 where the release has\n"
+    "it) with K3's real widths (from fixtures/k3-release/config.json, or --config) but N layers (default 4,\n"
+    "keeping the release's kinds: layer 0 dense, every 4th and the last MLA) and E routed experts per MoE\n"
+    "layer (default 64; top-k stays 16). Weights are seeded random values scaled so activations stay healthy\n"
+    "through the layers. One shard per layer (its trunk tensors as one run, then its experts, not in id order),\n"
+    "plus one for the embedding and one for the head. Prints the bytes it will write and refuses when the disk\n"
+    "lacks room (--force skips that check); shows progress; config.json is written last.\n"
+    "  --layers N    layers (default 4)          --experts E   routed experts per MoE layer (default 64)\n"
+    "  --seed S      weight seed (default 1)     --config F    the widths to use (default: the real K3's)\n";
+
+namespace synth {
+
+// splitmix64: a tiny, fast, well-mixed generator; each tensor gets its own stream (seed ^ hash(name)).
+struct Rng {
+    std::uint64_t s;
+    std::uint64_t next() {
+        std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+    // uniform in [-a, a) from 16 random bits
+    static float uniform(std::uint64_t bits16, float a) { return (float(bits16 & 0xFFFF) * (1.0f / 32768.0f) - 1.0f) * a; }
+};
+
+// How a tensor is filled: uniform bf16/f32 with amplitude `a` (a = sqrt(3) std), a constant, or MXFP4.
+struct Fill {
+    enum Kind { Uniform, Constant, Mxfp4Codes, Mxfp4Scales, ALog } kind = Uniform;
+    float a = 0;               // amplitude (Uniform), value (Constant)
+    std::uint8_t scale = 120;  // Mxfp4Scales: the E8M0 byte
+    int heads = 0;             // ALog: entries past `heads` are exactly 0 (the release's zero padding)
+};
+
+struct Entry {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    Fill fill;
+    std::uint64_t nbytes() const { return std::uint64_t(shape.numel()) * dtype_size(dtype); }
+};
+
+inline std::uint64_t name_hash(const std::string& s) { return fnv1a64(s); }
+
+// Fills bytes [at, at + n) of tensor e (element-aligned), deterministically from (seed, name, position).
+inline void fill_block(std::byte* out, const Entry& e, std::uint64_t at, std::size_t n, std::uint64_t seed) {
+    const std::size_t es = dtype_size(e.dtype);
+    const std::uint64_t first = at / es, count = n / es;
+    parallel_rows(std::size_t(count / 4096 + 1), 4096 * 64, [&](std::size_t b0, std::size_t b1) {
+        for (std::size_t b = b0; b < b1; ++b) {  // 4096-element blocks, each with its own stream
+            const std::uint64_t i0 = std::uint64_t(b) * 4096, i1 = std::min<std::uint64_t>(count, i0 + 4096);
+            Rng rng{seed ^ name_hash(e.name) ^ ((first + i0) * 0x9E3779B97F4A7C15ull)};
+            std::uint64_t bits = 0;
+            for (std::uint64_t i = i0; i < i1; ++i) {
+                if ((i - i0) % 4 == 0) bits = rng.next();
+                const std::uint64_t r = bits >> (16 * ((i - i0) % 4));
+                switch (e.fill.kind) {
+                    case Fill::Uniform:
+                        if (e.dtype == DType::BF16) reinterpret_cast<bf16*>(out)[i] = f32_to_bf16(Rng::uniform(r, e.fill.a));
+                        else reinterpret_cast<float*>(out)[i] = Rng::uniform(r, e.fill.a);
+                        break;
+                    case Fill::Constant:
+                        if (e.dtype == DType::BF16) reinterpret_cast<bf16*>(out)[i] = f32_to_bf16(e.fill.a);
+                        else reinterpret_cast<float*>(out)[i] = e.fill.a;
+                        break;
+                    case Fill::Mxfp4Codes: reinterpret_cast<std::uint8_t*>(out)[i] = std::uint8_t(r); break;
+                    case Fill::Mxfp4Scales: reinterpret_cast<std::uint8_t*>(out)[i] = std::uint8_t(e.fill.scale + (r & 1)); break;
+                    case Fill::ALog:
+                        reinterpret_cast<float*>(out)[i] = (first + i) < std::uint64_t(e.fill.heads) ? Rng::uniform(r, 1.0f) : 0.0f;
+                        break;
+                }
+            }
+        }
+    });
+}
+
+// The fill of every tensor of spec 2, scaled so activations stay O(1): projections U with std 1/sqrt(in),
+// norms 1, AttnRes projections std 1/sqrt(D) (mixing scores of order 1), the router std 1/sqrt(D), expert
+// scales so that E2M1 codes (RMS 2.93) times the scale have std ~ 1/sqrt(in).
+inline Fill fill_for(const std::string& name, DType dtype, const Shape& shape, const Config& c) {
+    auto uni = [](double stdev) { return Fill{Fill::Uniform, float(std::sqrt(3.0) * stdev)}; };
+    const auto ends = [&](const char* s) { return name.size() >= std::strlen(s) && name.compare(name.size() - std::strlen(s), std::strlen(s), s) == 0; };
+    if (ends("weight_packed")) return Fill{Fill::Mxfp4Codes};
+    if (ends("weight_scale")) {
+        const double in = double(shape[1]) * 32;  // [out, in/32]; the fill adds 0 or 1, so start one below
+        const long s = std::lround(127.0 + std::log2(1.0 / (std::sqrt(in) * 2.93))) - 1;
+        return Fill{Fill::Mxfp4Scales, 0, std::uint8_t(std::clamp(s, 1L, 250L))};
+    }
+    if (ends("A_log")) return Fill{Fill::ALog, 0, 0, c.kda_num_heads};
+    if (ends("conv1d.weight")) return uni(0.3);
+    if (ends("dt_bias") || ends("e_score_correction_bias")) return uni(0.05);
+    if (ends("res_proj.weight")) return uni(1.0 / std::sqrt(double(c.hidden_size)));
+    if (shape.rank == 1) return Fill{Fill::Constant, 1.0f};  // norm weights
+    if (ends("embed_tokens.weight")) return uni(1.0);
+    (void)dtype;
+    return uni(1.0 / std::sqrt(double(shape[1])));  // every [out, in] projection
+}
+
+}  // namespace synth
+
+inline int cmd_synth(std::vector<std::string> args) {
+    using namespace synth;
+    if (wants_help(args)) return std::fputs(kSynthUsage, stdout), kExitOk;
+    const std::string layers_arg = take_option(args, "--layers", kSynthUsage), experts_arg = take_option(args, "--experts", kSynthUsage),
+                      seed_arg = take_option(args, "--seed", kSynthUsage), config_arg = take_option(args, "--config", kSynthUsage);
+    const bool force = take_flag(args, "--force");
+    if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("synth takes one OUT_DIR\n\n") + kSynthUsage);
+    const std::string out = args[0];
+    const int layers = layers_arg.empty() ? 4 : int(parse_count(layers_arg, "--layers", kSynthUsage));
+    const int experts = experts_arg.empty() ? 64 : int(parse_count(experts_arg, "--experts", kSynthUsage));
+    const std::uint64_t seed = seed_arg.empty() ? 1 : std::uint64_t(parse_count(seed_arg, "--seed", kSynthUsage));
+    if (layers < 1) throw Usage(std::string("--layers must be at least 1\n\n") + kSynthUsage);
+
+    // the config: the release's (or --config's) widths, with N layers of the release's kinds and E experts
+    const std::string base_path = config_arg.empty() ? std::string(KIMIK3_SOURCE_DIR) + "/fixtures/k3-release/config.json" : config_arg;
+    std::ifstream bf(base_path);
+    if (!bf) throw Usage("cannot open the base config '" + base_path + "' (give --config)\n");
+    nlohmann::json j = nlohmann::json::parse(bf);
+    nlohmann::json& t = j.contains("text_config") ? j["text_config"] : j;
+    std::vector<int> kda, full;
+    for (int l = 0; l < layers; ++l) (l % 4 == 3 || l == layers - 1 ? full : kda).push_back(l + 1);
+    t["num_hidden_layers"] = layers;
+    t["linear_attn_config"]["kda_layers"] = kda;
+    t["linear_attn_config"]["full_attn_layers"] = full;
+    t["num_experts"] = experts;
+    const Config c = parse_config(j, "synth config");
+
+    // the tensors, shard by shard, in the release's layout
+    std::vector<std::pair<std::string, std::vector<Entry>>> shards;
+    const std::int64_t D = c.hidden_size, V = c.vocab_size;
+    auto entry = [&](const std::string& name, DType dt, const Shape& sh) { return Entry{name, dt, sh, fill_for(name, dt, sh, c)}; };
+    const int nshards = layers + 2;
+    auto shard_name = [&](int i) {
+        char b[64];
+        std::snprintf(b, sizeof b, "model-%05d-of-%05d.safetensors", i + 1, nshards);
+        return std::string(b);
+    };
+    shards.push_back({shard_name(0), {entry(std::string(kPrefix) + "model.embed_tokens.weight", DType::BF16, {V, D})}});
+    const auto parts = expert_part_shapes(c);
+    for (int l = 0; l < layers; ++l) {
+        std::vector<Entry> es;
+        for (const Expected& e : expected_layer_tensors(c, l)) es.push_back(entry(e.name, e.dtype, e.shape));
+        if (c.layers[std::size_t(l)].ffn == FfnKind::MoE) {
+            std::vector<int> order(static_cast<std::size_t>(experts));
+            std::iota(order.begin(), order.end(), 0);
+            Rng r{seed ^ std::uint64_t(l)};  // experts not in id order, like the release
+            for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[r.next() % i]);
+            for (int e : order)
+                for (int p = 0; p < 6; ++p) es.push_back(entry(expert_name(l, e, p), DType::U8, parts[std::size_t(p)]));
+        }
+        shards.push_back({shard_name(l + 1), es});
+    }
+    shards.push_back({shard_name(layers + 1),
+                      {entry(std::string(kPrefix) + "model.norm.weight", DType::BF16, {D}),
+                       entry(std::string(kPrefix) + "model.output_attn_res_norm.weight", DType::BF16, {D}),
+                       entry(std::string(kPrefix) + "model.output_attn_res_proj.weight", DType::BF16, {1, D}),
+                       entry(std::string(kPrefix) + "lm_head.weight", DType::BF16, {V, D})}});
+    std::uint64_t total = 0;
+    for (const auto& [name, es] : shards)
+        for (const Entry& e : es) total += e.nbytes();
+    std::filesystem::create_directories(out);
+    struct statvfs vfs {};
+    const std::uint64_t room = ::statvfs(out.c_str(), &vfs) == 0 ? std::uint64_t(vfs.f_bavail) * vfs.f_frsize : 0;
+    std::fprintf(stderr, "synth: %d layers (%s), %d experts per MoE layer, %d shards: %s (%s bytes) into %s (%s free)\n", layers,
+                 c.schedule_string().c_str(), experts, nshards, human_bytes(double(total)).c_str(), thousands(total).c_str(), out.c_str(),
+                 human_bytes(double(room)).c_str());
+    if (!force && room < total + (64u << 20))
+        fail(ErrorKind::budget, out + ": the disk has " + human_bytes(double(room)) + " free, the checkpoint needs " +
+                                    human_bytes(double(total)) + " (use --force to try anyway)");
+
+    // write: header, then each tensor's bytes generated in blocks of 64 MB
+    std::remove((out + "/config.json").c_str());  // written last: a half-written checkpoint never looks complete
+    AlignedBuffer buf(std::size_t(64) << 20);
+    std::uint64_t done = 0;
+    double shown = -1;
+    const auto t0 = std::chrono::steady_clock::now();
+    nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
+    for (const auto& [file, es] : shards) {
+        SafetensorsWriter header;
+        for (const Entry& e : es) header.add_sparse(e.name, e.dtype, e.shape), index["weight_map"][e.name] = file;
+        header.metadata("format", "pt");
+        header.metadata("kimik3", "synth seed " + std::to_string(seed));
+        const std::string head = header.header_bytes(), path = out + "/" + file, tmp = path + ".tmp";
+        Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+        if (fd.get() < 0) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
+        auto put = [&](const void* p, std::size_t n) {
+            for (std::size_t w = 0; w < n;) {
+                const ssize_t k = ::write(fd.get(), static_cast<const char*>(p) + w, n - w);
+                if (k < 0 && errno == EINTR) continue;
+                if (k <= 0) fail(ErrorKind::runtime, tmp + ": write failed: " + errno_text(errno));
+                w += std::size_t(k);
+            }
+        };
+        put(head.data(), head.size());
+        for (const Entry& e : es)
+            for (std::uint64_t at = 0; at < e.nbytes(); at += buf.size()) {
+                const std::size_t n = std::size_t(std::min<std::uint64_t>(buf.size(), e.nbytes() - at));
+                fill_block(buf.data(), e, at, n, seed);
+                put(buf.data(), n);
+                done += n;
+                const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                if (sec - shown >= 0.5 || done == total) {  // progress twice a second
+                    shown = sec;
+                    std::fprintf(stderr, "\r  %5.1f%%  %s of %s  %.0f MB/s   ", 100.0 * double(done) / double(total),
+                                 human_bytes(double(done)).c_str(), human_bytes(double(total)).c_str(), double(done) / 1e6 / std::max(sec, 1e-9));
+                }
+            }
+        if (::fsync(fd.get()) != 0) fail(ErrorKind::runtime, tmp + ": could not be flushed: " + errno_text(errno));
+        fd.reset();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
+    }
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    SafetensorsWriter::write_text_atomic(out + "/model.safetensors.index.json", index.dump(1) + "\n");
+    SafetensorsWriter::write_text_atomic(out + "/config.json", j.dump(2) + "\n");
+    std::fprintf(stderr, "\n");
+    std::printf("wrote %s: %s in %.1f s (%.0f MB/s)\n", out.c_str(), human_bytes(double(total)).c_str(), sec, double(total) / 1e6 / std::max(sec, 1e-9));
+    return kExitOk;
+}
+
+}  // namespace kimik3::cli

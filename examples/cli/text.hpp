@@ -1,0 +1,135 @@
+// kimik3 tokenize / detokenize / chat: the text side of the program.
+#pragma once
+
+#include <iostream>
+
+#include "common.hpp"
+#include "run.hpp"
+
+namespace kimik3::cli {
+
+inline const char* kTokenizeUsage =
+    "usage: kimik3 tokenize MODEL_DIR TEXT\n"
+    "\n"
+    "Prints the token ids of TEXT (comma-separated) with the checkpoint's tokenizer (MODEL_DIR/tiktoken.model\n"
+    "and tokenizer_config.json). Special tokens typed in TEXT stay text. TEXT '-' reads standard input.\n";
+
+inline const char* kDetokenizeUsage =
+    "usage: kimik3 detokenize MODEL_DIR IDS\n"
+    "\n"
+    "Prints the text of comma-separated token ids (special tokens by name; invalid UTF-8 as U+FFFD).\n";
+
+inline const char* kChatUsage =
+    "usage: kimik3 chat MODEL_DIR [--budget SIZE | --preset NAME] [--context N] [--max-new N] [--think]\n"
+    "                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--system TEXT] [--trunk DIR]\n"
+    "\n"
+    "A multi-turn conversation in K3's chat format. Each line you type is a user message; the reply streams\n"
+    "as it is generated and stops at <|end_of_msg|> or [EOS] (or after --max-new tokens, default 256). The\n"
+    "model's state (KDA states, latent KV cache) carries from turn to turn: only new tokens are computed.\n"
+    "Commands: /reset (start over), /save FILE, /load FILE (a session file: token history and every layer's\n"
+    "state; refused if made for another model), /quit (or end of input).\n"
+    "  --context N    positions the conversation may reach (default 4096)\n";
+
+inline std::string read_all_stdin() {
+    return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+}
+
+inline int cmd_tokenize(std::vector<std::string> args) {
+    if (wants_help(args)) return std::fputs(kTokenizeUsage, stdout), kExitOk;
+    if (args.size() != 2) throw Usage(std::string("tokenize takes MODEL_DIR TEXT\n\n") + kTokenizeUsage);
+    const Tokenizer tok = Tokenizer::load(args[0]);
+    const std::vector<std::uint32_t> ids = tok.encode(args[1] == "-" ? read_all_stdin() : args[1]);
+    for (std::size_t i = 0; i < ids.size(); ++i) std::printf("%s%u", i ? "," : "", ids[i]);
+    std::printf("\n");
+    return kExitOk;
+}
+
+inline int cmd_detokenize(std::vector<std::string> args) {
+    if (wants_help(args)) return std::fputs(kDetokenizeUsage, stdout), kExitOk;
+    if (args.size() != 2) throw Usage(std::string("detokenize takes MODEL_DIR IDS\n\n") + kDetokenizeUsage);
+    const Tokenizer tok = Tokenizer::load(args[0]);
+    std::vector<std::uint32_t> ids;
+    for (std::int64_t id : parse_ids(args[1])) {
+        if (id >= std::int64_t(tok.vocab_size())) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary\n");
+        ids.push_back(std::uint32_t(id));
+    }
+    std::printf("%s\n", tok.decode_text(ids).c_str());
+    return kExitOk;
+}
+
+inline int cmd_chat(std::vector<std::string> args) {
+    if (wants_help(args)) return std::fputs(kChatUsage, stdout), kExitOk;
+    const std::string budget = take_option(args, "--budget", kChatUsage), preset = take_option(args, "--preset", kChatUsage),
+                      context = take_option(args, "--context", kChatUsage), max_new = take_option(args, "--max-new", kChatUsage),
+                      temp = take_option(args, "--temperature", kChatUsage), topk = take_option(args, "--top-k", kChatUsage),
+                      topp = take_option(args, "--top-p", kChatUsage), seed = take_option(args, "--seed", kChatUsage),
+                      system = take_option(args, "--system", kChatUsage), trunk = take_option(args, "--trunk", kChatUsage);
+    const bool think = take_flag(args, "--think");
+    if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("chat takes MODEL_DIR\n\n") + kChatUsage);
+    if (!budget.empty() && !preset.empty()) throw Usage(std::string("give --budget or --preset, not both\n\n") + kChatUsage);
+    const Tokenizer tok = Tokenizer::load(args[0]);
+    ModelOptions mo;
+    mo.budget = budget.empty() ? preset_bytes(preset.empty() ? "auto" : preset) : parse_size(budget);
+    mo.plan.context = context.empty() ? 4096 : std::uint64_t(parse_count(context, "--context", kChatUsage));
+    mo.trunk_dir = trunk;
+    Model model(args[0], mo);
+    std::fprintf(stderr, "%s", describe_plan(model.plan, model.config).c_str());
+    SamplingParams sp;
+    sp.temperature = temp.empty() ? 0.0f : std::stof(temp);
+    sp.top_k = topk.empty() ? 0 : int(parse_count(topk, "--top-k", kChatUsage));
+    sp.top_p = topp.empty() ? 1.0f : std::stof(topp);
+    SplitMix64 rng(seed.empty() ? 0 : std::uint64_t(parse_count(seed, "--seed", kChatUsage)));
+    const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage));
+    Chat chat(model.config, mo.plan.context);
+    chat.options.thinking = think;
+    auto start = [&] {
+        chat = Chat(model.config, mo.plan.context);
+        chat.options.thinking = think;
+        if (!system.empty()) {  // a system message opens the conversation (fed with the first turn)
+            ChatWriter w(tok);
+            render_message(w, ChatMessage{"system", system}, chat.options);
+            chat.pending.assign(w.ids().begin(), w.ids().end());
+        }
+    };
+    start();
+    std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit\n");
+    std::string line;
+    while (std::fprintf(stderr, "> "), std::getline(std::cin, line)) {
+        if (line.empty()) continue;
+        if (line == "/quit") break;
+        if (line == "/reset") {
+            start();
+            std::fprintf(stderr, "(conversation reset)\n");
+            continue;
+        }
+        if (line.rfind("/save ", 0) == 0) {
+            save_chat(line.substr(6), model, chat);
+            std::fprintf(stderr, "(saved %zu tokens of history to %s)\n", chat.session.tokens.size(), line.substr(6).c_str());
+            continue;
+        }
+        if (line.rfind("/load ", 0) == 0) {
+            try {
+                load_chat(line.substr(6), model, chat);
+                std::fprintf(stderr, "(loaded %zu tokens of history)\n", chat.session.tokens.size());
+            } catch (const Error& e) {
+                std::fprintf(stderr, "(not loaded: %s)\n", e.what());
+            }
+            continue;
+        }
+        if (line[0] == '/') {
+            std::fprintf(stderr, "(unknown command %s: /reset, /save FILE, /load FILE, /quit)\n", line.c_str());
+            continue;
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        const std::vector<std::int64_t> reply = chat_turn(model, chat, tok, line, limit, sp, rng, [](const std::string& text) {
+            std::fputs(text.c_str(), stdout);
+            std::fflush(stdout);
+        });
+        std::printf("\n");
+        std::fflush(stdout);
+        std::fprintf(stderr, "(%zu tokens, %.2f s; %zu in the conversation)\n", reply.size(), seconds_since(t0), chat.session.tokens.size());
+    }
+    return kExitOk;
+}
+
+}  // namespace kimik3::cli
