@@ -18,6 +18,7 @@
 #include "../kimik3.hpp"
 #include "../tests/rng.hpp"
 #include "bench_experts.hpp"
+#include "bench_kda.hpp"
 #include "bench_mla.hpp"
 #include "bench_tokenizer.hpp"
 
@@ -164,7 +165,7 @@ int main(int argc, char** argv) {
         if (a == "--reps" && i + 1 < argc) g_reps = std::max(1, std::atoi(argv[++i]));
         else if (a == "--only" && i + 1 < argc) only = argv[++i];
         else {
-            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4|mla|experts|tokenizer]\n"
+            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4|kda|mla|experts|tokenizer]\n"
                         "  Measures kernels at Kimi K3's sizes; reports medians of N runs (default 5)\n"
                         "  and ratios to the memory-read bandwidth measured in the same run.\n");
             return a == "--help" || a == "-h" ? 0 : 2;
@@ -182,6 +183,10 @@ int main(int argc, char** argv) {
     std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9);
     if (only.empty() || only == "bf16") bench_bf16(lim);
     if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
+    if (only.empty() || only == "kda") {
+        std::printf("\n7.x KDA decode step\n");
+        bench_kda(stdout, g_reps, lim.bw1);
+    }
     if (only.empty() || only == "mla") bench_mla(stdout, g_reps, lim.bw1);
     if (only.empty() || only == "experts") bench_experts(stdout, g_reps);
     if (only.empty() || only == "tokenizer") {
