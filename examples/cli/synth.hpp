@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "common.hpp"
 
@@ -57,33 +58,51 @@ struct Entry {
 
 inline std::uint64_t name_hash(const std::string& s) { return fnv1a64(s); }
 
-// Fills bytes [at, at + n) of tensor e (element-aligned), deterministically from (seed, name, position).
+// Fills bytes [at, at + n) of tensor e (element-aligned), deterministically from (seed, name, position):
+// every 4096-element block has its own stream, so threads may fill blocks in any order.
 inline void fill_block(std::byte* out, const Entry& e, std::uint64_t at, std::size_t n, std::uint64_t seed) {
     const std::size_t es = dtype_size(e.dtype);
-    const std::uint64_t first = at / es, count = n / es;
+    const std::uint64_t first = at / es, count = n / es, name = name_hash(e.name);
     parallel_rows(std::size_t(count / 4096 + 1), 4096 * 64, [&](std::size_t b0, std::size_t b1) {
-        for (std::size_t b = b0; b < b1; ++b) {  // 4096-element blocks, each with its own stream
+        for (std::size_t b = b0; b < b1; ++b) {
             const std::uint64_t i0 = std::uint64_t(b) * 4096, i1 = std::min<std::uint64_t>(count, i0 + 4096);
-            Rng rng{seed ^ name_hash(e.name) ^ ((first + i0) * 0x9E3779B97F4A7C15ull)};
-            std::uint64_t bits = 0;
-            for (std::uint64_t i = i0; i < i1; ++i) {
-                if ((i - i0) % 4 == 0) bits = rng.next();
-                const std::uint64_t r = bits >> (16 * ((i - i0) % 4));
-                switch (e.fill.kind) {
-                    case Fill::Uniform:
-                        if (e.dtype == DType::BF16) reinterpret_cast<bf16*>(out)[i] = f32_to_bf16(Rng::uniform(r, e.fill.a));
-                        else reinterpret_cast<float*>(out)[i] = Rng::uniform(r, e.fill.a);
-                        break;
-                    case Fill::Constant:
-                        if (e.dtype == DType::BF16) reinterpret_cast<bf16*>(out)[i] = f32_to_bf16(e.fill.a);
-                        else reinterpret_cast<float*>(out)[i] = e.fill.a;
-                        break;
-                    case Fill::Mxfp4Codes: reinterpret_cast<std::uint8_t*>(out)[i] = std::uint8_t(r); break;
-                    case Fill::Mxfp4Scales: reinterpret_cast<std::uint8_t*>(out)[i] = std::uint8_t(e.fill.scale + (r & 1)); break;
-                    case Fill::ALog:
-                        reinterpret_cast<float*>(out)[i] = (first + i) < std::uint64_t(e.fill.heads) ? Rng::uniform(r, 1.0f) : 0.0f;
-                        break;
-                }
+            Rng rng{seed ^ name ^ ((first + i0) * 0x9E3779B97F4A7C15ull)};
+            auto bits16 = [&, word = std::uint64_t(0), left = 0]() mutable {  // 16 random bits at a time
+                if (left == 0) word = rng.next(), left = 4;
+                const std::uint64_t r = word & 0xFFFF;
+                word >>= 16, --left;
+                return r;
+            };
+            switch (e.fill.kind) {  // one tight loop per kind
+                case Fill::Uniform:
+                    if (e.dtype == DType::BF16) {
+                        bf16* o = reinterpret_cast<bf16*>(out);
+                        for (std::uint64_t i = i0; i < i1; ++i) {  // finite values: RNE without the NaN branch
+                            const std::uint32_t u = std::bit_cast<std::uint32_t>(Rng::uniform(bits16(), e.fill.a));
+                            o[i] = bf16((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                        }
+                    } else {
+                        for (std::uint64_t i = i0; i < i1; ++i) reinterpret_cast<float*>(out)[i] = Rng::uniform(bits16(), e.fill.a);
+                    }
+                    break;
+                case Fill::Constant:
+                    for (std::uint64_t i = i0; i < i1; ++i)
+                        e.dtype == DType::BF16 ? void(reinterpret_cast<bf16*>(out)[i] = f32_to_bf16(e.fill.a))
+                                               : void(reinterpret_cast<float*>(out)[i] = e.fill.a);
+                    break;
+                case Fill::Mxfp4Codes:
+                    for (std::uint64_t i = i0; i < i1; i += 8) {  // 8 random bytes per draw
+                        const std::uint64_t r = rng.next();
+                        std::memcpy(reinterpret_cast<std::uint8_t*>(out) + i, &r, std::size_t(std::min<std::uint64_t>(8, i1 - i)));
+                    }
+                    break;
+                case Fill::Mxfp4Scales:
+                    for (std::uint64_t i = i0; i < i1; ++i) reinterpret_cast<std::uint8_t*>(out)[i] = std::uint8_t(e.fill.scale + (bits16() & 1));
+                    break;
+                case Fill::ALog:
+                    for (std::uint64_t i = i0; i < i1; ++i)
+                        reinterpret_cast<float*>(out)[i] = (first + i) < std::uint64_t(e.fill.heads) ? Rng::uniform(bits16(), 1.0f) : 0.0f;
+                    break;
             }
         }
     });
@@ -183,9 +202,12 @@ inline int cmd_synth(std::vector<std::string> args) {
         fail(ErrorKind::budget, out + ": the disk has " + human_bytes(double(room)) + " free, the checkpoint needs " +
                                     human_bytes(double(total)) + " (use --force to try anyway)");
 
-    // write: header, then each tensor's bytes generated in blocks of 64 MB
+    // write: per shard one stream of 32 MB blocks (the header padded with spaces to a whole number of
+    // pages, then the tensors back to back), each block generated while a writer thread writes the
+    // previous one with O_DIRECT (no page-cache copy); the last block is padded, then the file truncated.
     std::remove((out + "/config.json").c_str());  // written last: a half-written checkpoint never looks complete
-    AlignedBuffer buf(std::size_t(64) << 20);
+    constexpr std::size_t kBlock = std::size_t(32) << 20;
+    AlignedBuffer bufs[2] = {AlignedBuffer(kBlock), AlignedBuffer(kBlock)};
     std::uint64_t done = 0;
     double shown = -1;
     const auto t0 = std::chrono::steady_clock::now();
@@ -195,24 +217,48 @@ inline int cmd_synth(std::vector<std::string> args) {
         for (const Entry& e : es) header.add_sparse(e.name, e.dtype, e.shape), index["weight_map"][e.name] = file;
         header.metadata("format", "pt");
         header.metadata("kimik3", "synth seed " + std::to_string(seed));
-        const std::string head = header.header_bytes(), path = out + "/" + file, tmp = path + ".tmp";
-        Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+        std::string head = header.header_bytes();  // 8-byte length + JSON padded to 8
+        head.resize(round_up(head.size(), kPageAlign), ' ');  // JSON may end in spaces: pad to a page
+        const std::uint64_t n_json = head.size() - 8;
+        for (int i = 0; i < 8; ++i) head[std::size_t(i)] = char((n_json >> (8 * i)) & 0xFF);
+        const std::string path = out + "/" + file, tmp = path + ".tmp";
+        Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644));
+        if (fd.get() < 0 && errno == EINVAL) fd = Fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
         if (fd.get() < 0) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
-        auto put = [&](const void* p, std::size_t n) {
+        std::uint64_t file_pos = 0;
+        auto put = [&](const std::byte* p, std::size_t n) {  // n a multiple of 4096, p page-aligned
             for (std::size_t w = 0; w < n;) {
-                const ssize_t k = ::write(fd.get(), static_cast<const char*>(p) + w, n - w);
+                const ssize_t k = ::pwrite(fd.get(), p + w, n - w, off_t(file_pos + w));
                 if (k < 0 && errno == EINTR) continue;
                 if (k <= 0) fail(ErrorKind::runtime, tmp + ": write failed: " + errno_text(errno));
                 w += std::size_t(k);
             }
+            file_pos += n;
         };
-        put(head.data(), head.size());
+        std::thread writer;
+        std::exception_ptr write_error;
+        int which = 0;
+        std::size_t pos = head.size();  // bytes filled in the current block
+        std::memcpy(bufs[0].data(), head.data(), head.size());
+        auto flush = [&](std::size_t n) {  // hand the current block to the writer, switch buffers
+            if (writer.joinable()) writer.join();
+            if (write_error) std::rethrow_exception(write_error);
+            writer = std::thread([&, buf = bufs[which].data(), n] {
+                try {
+                    put(buf, n);
+                } catch (...) {
+                    write_error = std::current_exception();
+                }
+            });
+            which ^= 1;
+            pos = 0;
+        };
         for (const Entry& e : es)
-            for (std::uint64_t at = 0; at < e.nbytes(); at += buf.size()) {
-                const std::size_t n = std::size_t(std::min<std::uint64_t>(buf.size(), e.nbytes() - at));
-                fill_block(buf.data(), e, at, n, seed);
-                put(buf.data(), n);
-                done += n;
+            for (std::uint64_t at = 0; at < e.nbytes();) {
+                const std::size_t n = std::size_t(std::min<std::uint64_t>(kBlock - pos, e.nbytes() - at));
+                fill_block(bufs[which].data() + pos, e, at, n, seed);
+                pos += n, at += n, done += n;
+                if (pos == kBlock) flush(kBlock);
                 const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
                 if (sec - shown >= 0.5 || done == total) {  // progress twice a second
                     shown = sec;
@@ -220,7 +266,16 @@ inline int cmd_synth(std::vector<std::string> args) {
                                  human_bytes(double(done)).c_str(), human_bytes(double(total)).c_str(), double(done) / 1e6 / std::max(sec, 1e-9));
                 }
             }
-        if (::fsync(fd.get()) != 0) fail(ErrorKind::runtime, tmp + ": could not be flushed: " + errno_text(errno));
+        const std::size_t tail = pos;
+        if (tail) {
+            std::memset(bufs[which].data() + tail, 0, round_up(tail, kPageAlign) - tail);
+            flush(round_up(tail, kPageAlign));
+        }
+        if (writer.joinable()) writer.join();
+        if (write_error) std::rethrow_exception(write_error);
+        const std::uint64_t exact = file_pos - (tail ? round_up(tail, kPageAlign) - tail : 0);
+        if (::ftruncate(fd.get(), off_t(exact)) != 0 || ::fsync(fd.get()) != 0)
+            fail(ErrorKind::runtime, tmp + ": could not be finished: " + errno_text(errno));
         fd.reset();
         if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
     }
