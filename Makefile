@@ -8,6 +8,7 @@
 #   make headers         compile each chapter header on its own (chapter N needs only chapters < N)
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
+#   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make deps            install the three Debian header packages if a header is missing
@@ -51,7 +52,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples test test-scalar headers examples check-examples bench debug fixtures deps clean
+.PHONY: all run run-examples bench-k3 test test-scalar headers examples check-examples bench debug fixtures deps clean
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
@@ -82,7 +83,7 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
 # ---- run: the README's first command ---------------------------------------------------------------
 # The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
 # budget that streams part of the trunk, with its plan, per-step table and report on stderr.
-RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 21M
+RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 24M
 run: deps $(CLI)
 	$(CLI) run fixtures/tiny-k3 $(RUN_ARGS)
 
@@ -155,6 +156,17 @@ $(BENCH): bench/bench.cpp $(wildcard bench/*.hpp) $(HEADERS) | deps
 
 bench: deps $(BENCH)
 	$(BENCH) $(BENCH_ARGS)
+
+# bench-k3: the engine on a K3-shaped checkpoint (real widths, 4 layers, 64 experts per MoE layer; written
+# once into K3_SHAPED by kimik3 synth, ~14 GB) against this machine's disk and memory, and the projected
+# seconds per token of the full 93-layer K3. Results in K3_SHAPED/bench-k3.json and .svg. Minutes, not CI.
+K3_SHAPED ?= build/k3-shaped
+$(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
+	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
 
 # ---- fixtures: regenerate from the PyTorch reference in tools/ -------------------------------------
 # Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in

@@ -675,15 +675,8 @@ struct Census {
     // What must stay in memory whatever the budget (spec 3.4.8, 3.5.4):
     std::uint64_t kda_state_bytes = 0;         // all KDA layers: H x Dh x Dh f32 state + (W-1) x 3P conv history
     std::uint64_t mla_cache_bytes_per_token = 0;  // all MLA layers: (kv_lora_rank + qk_rope) f32 per position
+    // (how little memory this can run in is chapter 12's plan: make_plan(...).floor)
 
-    // The smallest memory the engine could run in with whole-layer streaming: the carried state, the
-    // latent KV cache for `context` positions, two ring slots as large as the largest layer or the
-    // lm_head, and K+1 expert slots. (Chapter 12 plans budgets; it streams row chunks to go lower.)
-    std::uint64_t floor_bytes(const Config& c, std::uint64_t context) const {
-        const std::uint64_t slot = std::max(largest_layer_bytes, lm_head_bytes);
-        return kda_state_bytes + mla_cache_bytes_per_token * context + 2 * slot +
-               std::uint64_t(c.num_experts_per_token + 1) * expert_bytes;
-    }
 };
 
 // The bytes of the state that stays resident whatever the budget (shared by both census functions).

@@ -124,6 +124,11 @@ struct ExpertProvider {
     // Marks the start of a new forward step (a token, or a prefill chunk): caches use it to tell
     // experts kept from an earlier step (retention) from experts fetched within this one.
     virtual void begin_step() {}
+
+    // Kept by moe_forward: how many (token, slot) expert uses it served, and how many distinct experts
+    // it asked for to serve them. With T tokens per step, an expert chosen by several tokens is fetched
+    // once: uses - requested is what a prompt processed in chunks saves over token by token.
+    std::uint64_t slot_uses = 0, experts_requested = 0;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -179,6 +184,8 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
     for (std::size_t i = 0; i < T * K; ++i) users[r.ids[i]].push_back(i);
     std::vector<int> unique;
     for (const auto& [e, u] : users) unique.push_back(e);  // ascending ids
+    provider.slot_uses += T * K;
+    provider.experts_requested += unique.size();
     std::vector<float> expert_out(T * K * L);               // (T, K, L)
     const std::size_t group = std::max<std::size_t>(1, provider.capacity());
     std::vector<ExpertWeights> got(group);

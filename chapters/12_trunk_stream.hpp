@@ -198,8 +198,8 @@ inline std::string plan_error_floor(const Plan& p) {
 // state, latent KV cache, small tensors, work buffers, two ring slots, two expert slots; (2) a third
 // ring slot and bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
 // byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert
-// cache); (4) the embedding; (5) the rest to expert cache slots (the cache retained nothing below ~36 GB
-// on K3, so it comes last).
+// cache); (4) expert cache slots (the cache retained nothing below ~36 GB on K3, so it comes after the
+// trunk); (5) the embedding table (resident, it saves one row read per token: the least per byte).
 inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o) {
     const UnitBytes u = unit_bytes(c);
     Plan p;
@@ -214,27 +214,31 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     const std::uint64_t widest = std::max({std::uint64_t(c.intermediate_size), std::uint64_t(c.kda_width()) * 4,
                                            std::uint64_t(c.vocab_size), std::uint64_t(c.num_attention_heads) * c.kv_lora_rank});
     p.work_bytes = (16 * std::uint64_t(c.hidden_size) + 4 * widest) * 4 + 2 * 4096;
-    p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes : 16ull << 20;
+    // the process itself (program, libraries, thread stacks: ~8 MB measured) and the checkpoint's
+    // metadata (headers, the name index, expert locations: ~700 bytes per tensor measured on a
+    // header-only K3; ~350 MB for the release's ~500,000 tensors)
+    p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes : (8ull << 20) + 700 * s.tensors;
     const std::uint64_t expert_slot = round_up(std::size_t(s.expert_bytes), kPageAlign) + kPageAlign;
-    // The smallest useful piece: 1 MiB (smaller reads waste the disk's bandwidth for a negligible saving),
+    // The smallest useful piece: 4 MiB (smaller reads waste the disk's bandwidth for a saving of a few MB),
     // or one row of the widest matrix if that is larger. An explicit chunk_bytes may go lower (tests).
     const std::uint64_t min_row = round_up(std::size_t(std::max<std::uint64_t>(u.largest_row, kPageAlign)), kPageAlign);
-    const std::uint64_t min_chunk = std::max<std::uint64_t>(min_row, 1 << 20);
+    const std::uint64_t min_chunk = std::max<std::uint64_t>(min_row, 4 << 20);
     auto slot_bytes = [&](std::uint64_t chunk) { return chunk + 2 * kPageAlign; };
     p.chunk_bytes = o.chunk_bytes ? std::max(o.chunk_bytes, min_row) : min_chunk;
-    p.ring_slots = o.ring_slots ? o.ring_slots : 2;
+    p.ring_slots = o.ring_slots ? o.ring_slots : 3;  // two pieces in flight while the consumer holds a third
     p.expert_slots = o.expert_slots ? o.expert_slots : (c.moe_layer_count() > 0 ? 2 : 0);
     p.ring_bytes = std::uint64_t(p.ring_slots) * slot_bytes(p.chunk_bytes);
     p.expert_bytes = p.expert_slots * expert_slot;
     p.floor = p.total();
     if (budget < p.floor) return p;  // the caller refuses (plan_error_floor)
     std::uint64_t spare = budget - p.floor;
-    // (2) streaming throughput: a third slot and the largest chunk of 64, 32, ..., 1 MB whose ring takes
-    // at most a quarter of what is left (only when the caller left the choice to the planner). Bigger
-    // reads run closer to the disk's sequential bandwidth; a third slot lets the reader work further ahead.
+    // (2) streaming throughput: the largest chunk of 64, 32, ..., 4 MB whose ring takes at most a quarter
+    // of what is left (only when the caller left the choice to the planner): bigger reads run closer to
+    // the disk's sequential bandwidth.
     if (!o.chunk_bytes && !o.ring_slots)
-        for (std::uint64_t mb = 64; mb >= 1; mb /= 2) {
+        for (std::uint64_t mb = 64; mb >= 4; mb /= 2) {
             const std::uint64_t want_chunk = std::max(min_chunk, mb << 20);
+            if (want_chunk <= p.chunk_bytes) break;
             const std::uint64_t grow = 3 * slot_bytes(want_chunk) - p.ring_bytes;
             if (grow <= spare / 4) {
                 p.chunk_bytes = want_chunk, p.ring_slots = 3, p.ring_bytes += grow, spare -= grow;
@@ -253,10 +257,7 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
             if (l < 0) p.lm_head_pinned = true;
             else p.pinned[std::size_t(l)] = true;
         }
-    // (4) the embedding table (only worth it once everything else is resident)
-    if (p.pinned_layers() == c.num_hidden_layers && p.lm_head_pinned && s.embed_bytes <= spare)
-        p.embed_resident = true, p.embed_bytes = s.embed_bytes, spare -= s.embed_bytes;
-    // (5) expert cache slots with the rest: at least k + 1 to be a cache at all
+    // (4) expert cache slots: at least k + 1 to be a cache at all
     if (!o.expert_slots && c.moe_layer_count() > 0) {
         const std::size_t more = std::size_t(spare / expert_slot);
         const std::size_t total = std::min<std::size_t>(p.expert_slots + more, std::size_t(c.num_experts) * std::size_t(c.moe_layer_count()));
@@ -266,6 +267,9 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
             p.expert_bytes = total * expert_slot;
         }
     }
+    // (5) the embedding table last: resident, it saves one 14 kB row read per token
+    if (p.pinned_layers() == c.num_hidden_layers && p.lm_head_pinned && s.embed_bytes <= spare)
+        p.embed_resident = true, p.embed_bytes = s.embed_bytes, spare -= s.embed_bytes;
     // a ring with nothing to stream only costs memory
     bool streams = !p.lm_head_pinned;
     for (bool pin : p.pinned) streams = streams || !pin;
@@ -332,17 +336,21 @@ struct Piece {
 
 struct RingStats {
     std::uint64_t pieces = 0, bytes = 0, prefetched = 0, waited = 0, mismatches = 0;
-    double wait_seconds = 0, read_seconds = 0;
+    double wait_seconds = 0, read_seconds = 0;  // read_seconds: wall time with at least one read in flight
     std::uint64_t busy_slot_reads = 0;  // reads aimed at a slot in use: must stay 0 (test 12.3)
 };
 
 class PieceRing {
   public:
-    PieceRing(int slots, std::uint64_t chunk_bytes, bool prefetch) : slot_bytes_(chunk_bytes + 2 * kPageAlign), prefetch_(prefetch) {
+    // `readers` threads read ahead (at most slots - 1: the consumer holds one slot); several readers keep
+    // more than one read in flight, which most disks need to reach their bandwidth.
+    PieceRing(int slots, std::uint64_t chunk_bytes, bool prefetch, int readers = 2)
+        : slot_bytes_(chunk_bytes + 2 * kPageAlign), prefetch_(prefetch) {
         if (slots < 1) fail(ErrorKind::usage, "PieceRing: at least one slot");
         arena_.resize(std::size_t(slots) * slot_bytes_);
         slots_.resize(std::size_t(slots));
-        if (prefetch_) reader_ = std::thread([this] { reader_loop(); });
+        if (prefetch_)
+            for (int r = 0; r < std::max(1, std::min(readers, slots - 1)); ++r) readers_.emplace_back([this] { reader_loop(); });
     }
     PieceRing(const PieceRing&) = delete;
     PieceRing& operator=(const PieceRing&) = delete;
@@ -352,7 +360,7 @@ class PieceRing {
             stop_ = true;
         }
         cv_.notify_all();
-        if (reader_.joinable()) reader_.join();
+        for (std::thread& t : readers_) t.join();
     }
     RingStats stats() {  // a consistent copy (the reader thread updates the I/O counters)
         std::scoped_lock g(mu_, stats_mu_);
@@ -406,6 +414,7 @@ class PieceRing {
                     }
                     s.state = InUse;
                     s.skew = skew;
+                    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();  // read here: waited too
                     return arena_.data() + victim * slot_bytes_ + skew;
                 }
             }
@@ -457,7 +466,17 @@ class PieceRing {
     }
 
     std::size_t read_piece(const Piece& p, std::byte* slot) {
-        const auto t0 = std::chrono::steady_clock::now();
+        struct InFlight {  // counts this read, also when it throws; read_seconds = time with any read in flight
+            PieceRing& r;
+            explicit InFlight(PieceRing& ring) : r(ring) {
+                std::lock_guard<std::mutex> g(r.stats_mu_);
+                if (r.in_flight_++ == 0) r.busy_since_ = std::chrono::steady_clock::now();
+            }
+            ~InFlight() {
+                std::lock_guard<std::mutex> g(r.stats_mu_);
+                if (--r.in_flight_ == 0) r.stats_.read_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - r.busy_since_).count();
+            }
+        } in_flight(*this);
         const std::uint64_t start = p.offset / kPageAlign * kPageAlign;
         const std::size_t skew = std::size_t(p.offset - start), need = skew + std::size_t(p.nbytes);
         bool done = false;
@@ -467,7 +486,6 @@ class PieceRing {
         std::lock_guard<std::mutex> g(stats_mu_);
         stats_.pieces++;
         stats_.bytes += p.nbytes;
-        stats_.read_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return skew;
     }
 
@@ -531,8 +549,10 @@ class PieceRing {
     std::size_t cursor_ = 0;
     std::mutex mu_, stats_mu_;
     std::condition_variable cv_;
-    std::thread reader_;
+    std::vector<std::thread> readers_;
     RingStats stats_;
+    int in_flight_ = 0;                                   // reads under way (stats_mu_)
+    std::chrono::steady_clock::time_point busy_since_;   // when in_flight_ last became 1
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -778,11 +798,15 @@ class TrunkWeights {
         for (const Checkpoint::Ref* r : {m.final_norm, m.out_res_norm, m.out_res_proj}) load.push_back({r, false}), total += r->info->nbytes();
         if (plan.lm_head_pinned) load.push_back({m.lm_head, true}), total += m.lm_head->info->nbytes();
         if (plan.embed_resident) load.push_back({m.embed, true}), total += m.embed->info->nbytes();
-        for (auto [r, mat] : load) {
-            AlignedBuffer b(r->info->nbytes());
+        for (auto [r, mat] : load) {  // O_DIRECT where possible: no second copy in the page cache
             const auto [src, off] = where(r);
-            pread_exact(src->fd, b.data(), r->info->nbytes(), off, *src->path);
-            resident_[r->info] = std::move(b);
+            const std::uint64_t start = off / kPageAlign * kPageAlign;
+            const std::size_t skew = std::size_t(off - start), need = skew + std::size_t(r->info->nbytes());
+            Resident& res = resident_[r->info];
+            res.buf.resize(round_up(need, kPageAlign));
+            res.skew = skew;
+            if (src->direct_fd < 0 || detail::pread_direct(src->direct_fd, src->fd, res.buf.data(), start, round_up(need, kPageAlign), need, *src->path) == 0)
+                pread_exact(src->fd, res.buf.data() + skew, std::size_t(r->info->nbytes()), off, *src->path);
             done += r->info->nbytes();
             if (progress) progress("load", done, total);
         }
@@ -809,7 +833,7 @@ class TrunkWeights {
     MatrixRef matrix(const Checkpoint::Ref* r) const {
         const std::size_t rows = std::size_t(r->info->shape[0]), cols = std::size_t(r->info->shape[1]);
         auto it = resident_.find(r->info);
-        if (it != resident_.end()) return MatrixRef{it->second.as<bf16>(), nullptr, rows, cols};
+        if (it != resident_.end()) return MatrixRef{reinterpret_cast<const bf16*>(it->second.data()), nullptr, rows, cols};
         return MatrixRef{nullptr, streams_.at(r->info).get(), rows, cols};
     }
     MatrixRef lm_head() const { return matrix(m_.lm_head); }
@@ -822,7 +846,7 @@ class TrunkWeights {
         const bf16* row;
         auto it = resident_.find(m_.embed->info);
         if (it != resident_.end()) {
-            row = it->second.as<bf16>() + std::size_t(id) * D;
+            row = reinterpret_cast<const bf16*>(it->second.data()) + std::size_t(id) * D;
         } else {
             row_.resize(D);
             const auto [src, off] = where(m_.embed);
@@ -867,7 +891,12 @@ class TrunkWeights {
     std::map<std::string, PieceSource> sources_;
     std::deque<Fd> fds_;
     std::unique_ptr<PieceRing> ring_;
-    std::map<const TensorInfo*, AlignedBuffer> resident_;
+    struct Resident {  // a tensor read at start: its bytes begin `skew` into the (O_DIRECT-aligned) buffer
+        AlignedBuffer buf;
+        std::size_t skew = 0;
+        const std::byte* data() const { return buf.data() + skew; }
+    };
+    std::map<const TensorInfo*, Resident> resident_;
     std::map<const TensorInfo*, std::unique_ptr<MatrixStream>> streams_;
     std::vector<bf16> row_;
     TrunkStats stats_;

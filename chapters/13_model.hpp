@@ -38,6 +38,7 @@
 // ====================================================================================================
 #pragma once
 
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <span>
@@ -93,6 +94,11 @@ class Model {
 
     TrunkWeights& trunk() { return *trunk_; }
     ExpertCache* experts() { return experts_.get(); }
+
+    // Wall seconds of the last forward step, per layer, and for the embedding + final mix + lm_head
+    // (benchmarks split a token's time by layer kind with these; nothing reads them to compute).
+    std::vector<double> layer_seconds;
+    double head_seconds = 0;
 
   private:
     std::optional<TrunkLayout> trunk_layout_;
@@ -150,12 +156,17 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
     std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
+    using clock = std::chrono::steady_clock;
+    const auto t_start = clock::now();
+    model.layer_seconds.assign(std::size_t(c.num_hidden_layers), 0.0);
     std::vector<ResidualState> res(T);
     for (std::size_t t = 0; t < T; ++t) {
         tw.embed_row(&x[t * D], ids[t]);
         res[t].start(&x[t * D], D);
     }
+    double head = std::chrono::duration<double>(clock::now() - t_start).count();
     for (int l = 0; l < c.num_hidden_layers; ++l) {
+        const auto t_layer = clock::now();
         const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
         // [AttnRes attn-mix] -> RMSNorm(input_layernorm)
         attn_res_fold(w.data(), AttnResWeights{bf16_at(lt.attn_res_norm), bf16_at(lt.attn_res_proj)}, D);
@@ -197,8 +208,10 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts());
         }
         for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
+        model.layer_seconds[std::size_t(l)] = std::chrono::duration<double>(clock::now() - t_layer).count();
     }
     // 3.7 the final mix, model.norm, lm_head
+    const auto t_head = clock::now();
     attn_res_fold(w.data(), AttnResWeights{bf16_at(model.tensors.out_res_norm), bf16_at(model.tensors.out_res_proj)}, D);
     const std::vector<float> g_final = gamma(model.tensors.final_norm);
     const std::size_t first = all_logits ? 0 : T - 1, n = T - first;
@@ -208,6 +221,7 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
     }
     linear(logits, u.data(), n, tw.lm_head());
     s.tokens.insert(s.tokens.end(), ids, ids + T);
+    model.head_seconds = head + std::chrono::duration<double>(clock::now() - t_head).count();
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -49,8 +49,10 @@ int main(int argc, char** argv) {
         for (std::uint64_t b : s.layer_trunk_bytes) std::printf(" %llu", (unsigned long long)b);
         std::printf("\n  routed experts %llu x %llu bytes; embedding %llu; lm_head %llu\n", (unsigned long long)s.expert_count,
                     (unsigned long long)s.expert_bytes, (unsigned long long)s.embed_bytes, (unsigned long long)s.lm_head_bytes);
-        std::printf("  one token reads %s if nothing is resident; the smallest memory is %s at 4096 tokens\n",
-                    human_bytes(double(s.per_token_bytes)).c_str(), human_bytes(double(s.floor_bytes(c, 4096))).c_str());
+        std::printf("  one token reads %s if nothing is resident; the state that must stay resident: KDA %s,\n"
+                    "  latent MLA cache %s per position (chapter 12 turns this into a memory plan)\n",
+                    human_bytes(double(s.per_token_bytes)).c_str(), human_bytes(double(s.kda_state_bytes)).c_str(),
+                    human_bytes(double(s.mla_cache_bytes_per_token)).c_str());
     } catch (const Error& e) {
         std::fprintf(stderr, "error: %s\n", e.what());
         return 2;

@@ -61,7 +61,10 @@ expect "run: a bad size" 2 "'8Q' is not a size" "$bin" run fixtures/tiny-k3 --id
 mkdir -p "$tmp/notok"
 cp fixtures/tiny-k3/config.json fixtures/tiny-k3/*.safetensors fixtures/tiny-k3/model.safetensors.index.json "$tmp/notok/"
 expect "run: --prompt without tokenizer files names the file" 2 "tiktoken.model" "$bin" run "$tmp/notok" --prompt hi
-out=$(KIMIK3_TEST_FAIL_READS_AFTER=3 "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --budget 19.3M 2>"$tmp/fail.err")
+# the tiny K3's floor at a 32-token context, from the plan's refusal message
+floor=$("$bin" plan fixtures/tiny-k3 --budget 1 --context 32 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
+[ -n "$floor" ] || { fail=$((fail + 1)); echo "FAILED: could not read the floor from kimik3 plan"; floor=30000000; }
+out=$(KIMIK3_TEST_FAIL_READS_AFTER=3 "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --context 32 --budget $floor 2>"$tmp/fail.err")
 rc=$?
 if [ $rc = 4 ] && [ -z "$out" ] && grep -q "Input/output error" "$tmp/fail.err"; then pass=$((pass + 1)); else
     fail=$((fail + 1)); echo "FAILED: a failed weight read exits 4 and prints no tokens: exit $rc, stdout '$out'"; head -5 "$tmp/fail.err"; fi
@@ -70,12 +73,12 @@ if [ $rc = 4 ] && [ -z "$out" ] && grep -q "Input/output error" "$tmp/fail.err";
 expect "pack-trunk" 0 "verified" "$bin" pack-trunk fixtures/tiny-k3 "$tmp/trunk"
 for b in floor middle all trunk; do
     case $b in
-        floor) opts="--budget 19.3M" ;;
-        middle) opts="--budget 21M" ;;
+        floor) opts="--budget $floor" ;;
+        middle) opts="--budget $((floor + 2000000))" ;;
         all) opts="" ;;
-        trunk) opts="--budget 19.3M --trunk $tmp/trunk" ;;
+        trunk) opts="--budget $floor --trunk $tmp/trunk" ;;
     esac
-    expect "run: dump logits ($b)" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 6 --quiet --dump-logits "$tmp/logits-$b.npy" $opts
+    expect "run: dump logits ($b)" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 6 --context 32 --quiet --dump-logits "$tmp/logits-$b.npy" $opts
 done
 for b in middle all trunk; do
     if cmp -s "$tmp/logits-floor.npy" "$tmp/logits-$b.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: logits at $b differ from the floor's"; fi

@@ -68,7 +68,8 @@ inline int cmd_inspect(std::vector<std::string> args) {
     line("KDA state", s.kda_state_bytes, std::to_string(c.count(AttnKind::KDA)) + " layers (recurrent state + conv history)");
     line("MLA cache per position", s.mla_cache_bytes_per_token, std::to_string(c.count(AttnKind::MLA)) + " layers x " +
                                                                     std::to_string(c.mla_cache_width()) + " floats");
-    line("smallest memory", s.floor_bytes(c, 4096), "at a 4096-token context, streaming whole layers");
+    line("smallest memory", make_plan(c, s, 0, PlanOptions{}).floor,
+         "the plan's floor at a 4096-token context (kimik3 plan shows what larger budgets buy)");
     return kExitOk;
 }
 

@@ -197,10 +197,12 @@ inline int cmd_run(std::vector<std::string> args) {
     std::vector<float> logits;  // (positions, V)
     std::vector<std::int64_t> out_ids;
     struct StepRow {
-        std::size_t step;
+        std::size_t step, tokens;            // tokens: fed in this forward step (a prompt chunk or 1)
         std::int64_t token;
-        double seconds;
+        double seconds, io_wait;             // io_wait: time the computation waited on reads
         std::uint64_t bytes, retained, requests;
+        std::vector<double> layers;          // seconds per layer
+        double head;                         // embedding + final mix + lm_head
     };
     std::vector<StepRow> rows;
     Utf8Stream utf8;
@@ -208,10 +210,12 @@ inline int cmd_run(std::vector<std::string> args) {
     IoSnapshot prev = io_snapshot(model);
     auto t_step = std::chrono::steady_clock::now();
     const auto t_run = t_step;
-    auto record = [&](std::size_t step, std::int64_t token) {
+    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens) {
         const IoSnapshot now = io_snapshot(model);
-        rows.push_back({step, token, seconds_since(t_step), (now.trunk - prev.trunk) + (now.experts - prev.experts),
-                        now.cache.retained - prev.cache.retained, now.cache.requests - prev.cache.requests});
+        rows.push_back({step, tokens, token, seconds_since(t_step),
+                        (now.trunk_wait - prev.trunk_wait) + (now.expert_read - prev.expert_read),
+                        (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
+                        now.cache.requests - prev.cache.requests, model.layer_seconds, model.head_seconds});
         if (!quiet) {
             if (rows.size() == 1) std::fprintf(stderr, "%6s %8s %9s %17s %10s\n", "step", "token", "seconds", "experts retained", "MB read");
             const StepRow& r = rows.back();
@@ -227,7 +231,7 @@ inline int cmd_run(std::vector<std::string> args) {
             const std::size_t n = std::min(chunk, ids.size() - t0);
             logits.resize((t0 + n) * V);
             forward(&logits[t0 * V], model, s, &ids[t0], n, true);
-            record(t0, ids[t0 + n - 1]);
+            record(t0, ids[t0 + n - 1], n);
         }
         for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
         std::printf("\n");
@@ -236,7 +240,7 @@ inline int cmd_run(std::vector<std::string> args) {
             model, ids, gen, chunk, recompute, mo.plan.context,
             [&](std::span<const float> l) -> std::int64_t { return sp.temperature > 0 ? std::int64_t(sample(l, sp, rng)) : argmax(l.data(), l.size()); },
             [&](std::size_t step, std::int64_t id) {
-                record(step, id);
+                record(step, id, step == 0 || recompute ? ids.size() + step : 1);
                 if (tok) {
                     if (stops.contains(std::uint32_t(id))) return false;
                     const std::uint32_t u = std::uint32_t(id);
@@ -269,6 +273,10 @@ inline int cmd_run(std::vector<std::string> args) {
     std::fprintf(stderr, "  trunk: %s read at start, %s streamed (%.0f MB/s while reading)\n",
                  human_bytes(double(model.trunk().stats().startup_bytes)).c_str(), human_bytes(double(io.trunk)).c_str(),
                  io.trunk_read > 0 ? double(io.trunk) / 1e6 / io.trunk_read : 0.0);
+    if (model.experts() && model.experts()->slot_uses > model.experts()->experts_requested)
+        std::fprintf(stderr, "  chunked prefill: %llu (token, expert) uses served by %llu expert fetches: %s of expert reads saved\n",
+                     (unsigned long long)model.experts()->slot_uses, (unsigned long long)model.experts()->experts_requested,
+                     human_bytes(double(model.experts()->slot_uses - model.experts()->experts_requested) * double(model.census.expert_bytes)).c_str());
     if (model.experts())
         std::fprintf(stderr, "  experts: %llu requests, %llu hits (%llu retained from earlier steps), %llu misses, %llu evictions; %s read (%.0f MB/s)\n",
                      (unsigned long long)io.cache.requests, (unsigned long long)io.cache.hits, (unsigned long long)io.cache.retained,
@@ -287,13 +295,17 @@ inline int cmd_run(std::vector<std::string> args) {
         j["timings"] = {{"wall_seconds", wall}, {"load_seconds", load_seconds}, {"run_seconds", run_seconds}};
         j["steps"] = nlohmann::ordered_json::array();
         for (const StepRow& r : rows)
-            j["steps"].push_back({{"step", r.step}, {"token", r.token}, {"seconds", r.seconds}, {"bytes_read", r.bytes},
-                                  {"experts_retained", r.retained}, {"expert_requests", r.requests}});
+            j["steps"].push_back({{"step", r.step}, {"tokens_fed", r.tokens}, {"token", r.token}, {"seconds", r.seconds},
+                                  {"io_wait_seconds", r.io_wait}, {"bytes_read", r.bytes}, {"experts_retained", r.retained},
+                                  {"expert_requests", r.requests}, {"layer_seconds", r.layers}, {"head_seconds", r.head}});
         j["memory"] = {{"peak_rss_bytes", rss}, {"plan_bytes", model.plan.total()}};
         j["io"] = {{"trunk_bytes_streamed", io.trunk}, {"trunk_bytes_at_start", model.trunk().stats().startup_bytes},
                    {"expert_bytes", io.experts}, {"blocked_on_io_seconds", blocked}, {"expert_requests", io.cache.requests},
                    {"expert_hits", io.cache.hits}, {"expert_retained", io.cache.retained}, {"expert_misses", io.cache.misses},
-                   {"expert_evictions", io.cache.evictions}};
+                   {"expert_evictions", io.cache.evictions},
+                   {"expert_slot_uses", model.experts() ? model.experts()->slot_uses : 0},
+                   {"expert_fetches_requested", model.experts() ? model.experts()->experts_requested : 0},
+                   {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}};
         SafetensorsWriter::write_text_atomic(out_path, j.dump(2) + "\n");
     }
     return kExitOk;
