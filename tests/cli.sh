@@ -8,14 +8,15 @@ fail=0
 tmp=$(mktemp -d /tmp/kimik3-cli-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 
-# expect NAME WANT_RC PATTERN CMD...: runs CMD, checks its exit code and that stdout+stderr match PATTERN.
+# expect NAME WANT_RC PATTERN CMD...: runs CMD, checks its exit code and that stdout+stderr match PATTERN
+# (an empty PATTERN checks the exit code only).
 expect() {
     local name=$1 want=$2 pattern=$3
     shift 3
     local out rc
     out=$("$@" 2>&1)
     rc=$?
-    if [ "$rc" = "$want" ] && printf '%s' "$out" | grep -qE -- "$pattern"; then
+    if [ "$rc" = "$want" ] && { [ -z "$pattern" ] || printf '%s' "$out" | grep -qE -- "$pattern"; }; then
         pass=$((pass + 1))
     else
         fail=$((fail + 1))
@@ -108,5 +109,13 @@ expect "simulate-cache of a file that is not a trace exits 2" 2 "not a kimik3 ex
 expect "simulate-cache of a missing trace exits 2" 2 "is not a file" "$bin" simulate-cache "$tmp/none.k3trace"
 expect "simulate-cache with a bad size exits 2" 2 "--sizes: 0 is not a cache size" "$bin" simulate-cache fixtures/traces/tiny.k3trace --sizes 0
 expect "run --trace-experts then simulate-cache on it" 0 "Belady" sh -c "'$bin' run fixtures/tiny-k3 --ids $prompt --gen 10 --quiet --trace-experts '$tmp/run.k3trace' >/dev/null 2>&1 && '$bin' simulate-cache '$tmp/run.k3trace' --sizes 5,20 --svg '$tmp/run.svg'"
+
+# ---- synth: a small release-layout checkpoint (the tiny K3's widths), then inspect and run it -------------
+expect "synth writes a checkpoint" 0 "^wrote " "$bin" synth "$tmp/synth" --config fixtures/tiny-k3/config.json --layers 5 --experts 8
+expect "synth: the release's kinds (dense+KDA, KDA, KDA, MLA, last MLA)" 0 "attention KKKMM" "$bin" inspect "$tmp/synth"
+expect "synth: the checkpoint runs" 0 "peak RSS" "$bin" run "$tmp/synth" --ids 1,2,3 --gen 3
+expect "synth: same seed, same bytes" 0 "" sh -c "'$bin' synth '$tmp/synth2' --config fixtures/tiny-k3/config.json --layers 5 --experts 8 >/dev/null 2>&1 && cmp '$tmp/synth/model-00003-of-00007.safetensors' '$tmp/synth2/model-00003-of-00007.safetensors'"
+expect "synth: zero layers is refused" 2 "at least 1" "$bin" synth "$tmp/synth3" --layers 0
+expect "synth: more experts per token than experts is refused" 2 "num_experts_per_token: 4 is more than num_experts 2" "$bin" synth "$tmp/synth4" --config fixtures/tiny-k3/config.json --experts 2
 
 echo "kimik3-tests: cli.sh $pass passed, $fail failed"
