@@ -161,7 +161,7 @@ bench: deps $(BENCH)
 # once into K3_SHAPED by kimik3 synth, ~14 GB) against this machine's disk and memory, and the projected
 # seconds per token of the full 93-layer K3. Results in K3_SHAPED/bench-k3.json and .svg. Minutes, not CI.
 K3_SHAPED ?= build/k3-shaped
-$(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp $(HEADERS) | deps
+$(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 

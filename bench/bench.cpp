@@ -8,7 +8,6 @@
 // also given as a ratio to a limit measured in the same run: the plain memory-read bandwidth of one
 // thread and of all threads. Nothing here asserts a time: benchmarks measure, tests check.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -21,6 +20,7 @@
 #include "bench_kda.hpp"
 #include "bench_mla.hpp"
 #include "bench_tokenizer.hpp"
+#include "timing.hpp"
 
 using namespace kimik3;
 
@@ -28,20 +28,7 @@ namespace {
 
 int g_reps = 5;
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-// Median wall time of `reps` calls of f (one untimed warm-up call first).
-double median_seconds(int reps, const std::function<void()>& f) {
-    f();
-    std::vector<double> t;
-    for (int i = 0; i < reps; ++i) {
-        const double t0 = now();
-        f();
-        t.push_back(now() - t0);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
+using bench::median_seconds;
 
 // The machine's limit: bytes per second a plain read of a large buffer achieves (no compute: four
 // SIMD accumulators summing floats), with `threads` threads, each over its own contiguous part.

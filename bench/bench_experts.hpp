@@ -33,20 +33,9 @@
 
 #include "../chapters/11_expert_cache.hpp"
 #include "../tests/rng.hpp"
+#include "timing.hpp"
 
 namespace kimik3 {
-
-inline double bench_experts_median(int reps, const std::function<void()>& f) {
-    f();  // warm-up
-    std::vector<double> t;
-    for (int i = 0; i < std::max(1, reps); ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        f();
-        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
 
 inline void bench_experts(std::FILE* out, int reps) {
     constexpr int kExperts = 48, kBatch = 16;
@@ -154,7 +143,6 @@ inline void bench_experts(std::FILE* out, int reps) {
         f();
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    auto median = [](std::vector<double> v) { return std::sort(v.begin(), v.end()), v[v.size() / 2]; };
     const double payload = double(kExperts) * double(S);
 
     // Plain O_DIRECT reads of the experts of `order`, `depth` at a time, each into `dst(j)` for the j-th
@@ -207,7 +195,7 @@ inline void bench_experts(std::FILE* out, int reps) {
             const double a = seconds(plain), b = seconds(plain_sorted), d = seconds(cached);
             if (r > 0) tp.push_back(a), ts.push_back(b), tc.push_back(d);
         }
-        const double sp = median(tp), ss = median(ts), sc = median(tc);
+        const double sp = bench::median(tp), ss = bench::median(ts), sc = bench::median(tc);
         char r1[32], r2[32];
         std::snprintf(r1, sizeof r1, "%.2f", sp / ss);
         std::snprintf(r2, sizeof r2, "%.2f", sp / sc);
@@ -237,7 +225,7 @@ inline void bench_experts(std::FILE* out, int reps) {
             const double a = seconds(plain), b = seconds(cached);
             if (r > 0) tp.push_back(a), tc.push_back(b);
         }
-        const double sp = median(tp), sc = median(tc);
+        const double sp = bench::median(tp), sc = bench::median(tc);
         char ratio[32];
         std::snprintf(ratio, sizeof ratio, "%.2f", sp / sc);
         row("plain O_DIRECT expert reads, all into one buffer", 1, sp, payload, "1.00");
@@ -249,7 +237,7 @@ inline void bench_experts(std::FILE* out, int reps) {
     for (const bool rotate : {true, false}) {
         const int dfd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         const std::size_t chunk = std::size_t(16) << 20;
-        const double sec = bench_experts_median(reps, [&] {
+        const double sec = bench::median_seconds(reps, [&] {
             std::size_t i = 0;
             for (std::uint64_t off = 0; off < file_bytes; ++i) {
                 const ssize_t n = ::pread(dfd, arena.data() + (rotate ? (i % kBatch) * chunk : 0), chunk, off_t(off));
@@ -282,7 +270,7 @@ inline void bench_experts(std::FILE* out, int reps) {
         const int threads_before = max_threads();
         for (int threads : {1, 2}) {
             set_threads(threads);
-            const double sec = bench_experts_median(reps, [&] { expert_ffn(y.data(), z.data(), 1, ew, F, L, Situ{}); });
+            const double sec = bench::median_seconds(reps, [&] { expert_ffn(y.data(), z.data(), 1, ew, F, L, Situ{}); });
             std::fprintf(out, "  %-52s %7s %10.4f %8.2f %8s   (%d thread%s; x16 = %.1f ms per token-layer)\n", "expert FFN, F 3072, L 3584, 1 token",
                          "-", sec, double(S) / sec / 1e9, "-", threads, threads > 1 ? "s" : "", 16 * sec * 1e3);
         }

@@ -25,17 +25,14 @@
 #include <vector>
 
 #include "../kimik3.hpp"
+#include "timing.hpp"
 
 using namespace kimik3;
 using nlohmann::json;
 
 namespace {
 
-double median(std::vector<double> v) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
+using bench::median;
 
 // Runs a shell command, returns its stdout (stderr goes to the terminal); a failure ends the benchmark.
 std::string sh(const std::string& cmd) {

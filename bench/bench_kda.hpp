@@ -4,13 +4,13 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <vector>
 
 #include "../chapters/07_kda.hpp"
 #include "../tests/rng.hpp"
+#include "timing.hpp"
 
 namespace kimik3 {
 
@@ -33,17 +33,7 @@ inline void bench_kda(std::FILE* out, int reps, double read_bw) {
     KdaState st(d);
     const auto u = rng.floats(D, -1.0f, 1.0f);
     std::vector<float> y(D);
-    auto median = [&](const std::function<void()>& f) {
-        f();
-        std::vector<double> t;
-        for (int i = 0; i < reps; ++i) {
-            const auto t0 = std::chrono::steady_clock::now();
-            f();
-            t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        }
-        std::sort(t.begin(), t.end());
-        return t[t.size() / 2];
-    };
+    auto median = [&](const std::function<void()>& f) { return bench::median_seconds(reps, f); };
     std::fprintf(out, "  %-44s %2s %11s %12s\n", "KDA at K3 size (96 heads x 128 x 128)", "th", "median", "vs traffic");
     for (int threads : {1, 2}) {
         set_threads(threads);

@@ -9,27 +9,14 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <functional>
 #include <vector>
 
 #include "../chapters/08_mla.hpp"
 #include "../tests/rng.hpp"
+#include "timing.hpp"
 
 namespace kimik3 {
-
-inline double bench_mla_median(int reps, const std::function<void()>& f) {
-    f();  // warm-up
-    std::vector<double> t;
-    for (int i = 0; i < reps; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        f();
-        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
 
 inline void bench_mla(std::FILE* out, int reps, double read_bw_bytes_per_s) {
     const MlaDims d{7168, 96, 1536, 512, 128, 64, 128};  // D, H, Q, R, N, X, Dv of spec 3.5
@@ -69,7 +56,7 @@ inline void bench_mla(std::FILE* out, int reps, double read_bw_bytes_per_s) {
         for (const Path& p : {Path{"simd", &kMlaSimd, 1, reps}, Path{"simd", &kMlaSimd, 2, reps}, Path{"ref", &kMlaRef, 1, std::min(reps, 3)}}) {
             if (p.threads > threads_before) continue;
             set_threads(p.threads);
-            const double sec = bench_mla_median(p.reps, [&] {
+            const double sec = bench::median_seconds(p.reps, [&] {
                 cache.truncate(positions);  // the step appends one position: undo it, so every run is the same step
                 mla_forward_with(*p.k, y.data(), u.data(), 1, w, d, cache);
             });

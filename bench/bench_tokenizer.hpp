@@ -7,31 +7,19 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "../chapters/14_tokenizer.hpp"
 #include "../tests/large_vocab.hpp"
+#include "timing.hpp"
 
 #ifndef KIMIK3_SOURCE_DIR
 #define KIMIK3_SOURCE_DIR "."
 #endif
 
 namespace kimik3 {
-
-template <class F> double bench_tokenizer_median(F&& f, int reps = 5) {
-    f();  // warm-up
-    std::vector<double> t;
-    for (int i = 0; i < reps; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        f();
-        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
 
 inline void bench_tokenizer(std::FILE* out) {
     const std::string root = KIMIK3_SOURCE_DIR;
@@ -43,15 +31,15 @@ inline void bench_tokenizer(std::FILE* out) {
             text += c["text"].get<std::string>() + "\n";
 
     std::string vocab;
-    const double t_build = bench_tokenizer_median([&] { vocab = test::large_vocab_text(seed); });
-    const double t_load = bench_tokenizer_median([&] { (void)Tokenizer::from_strings(vocab, "large", config, "k3_tokenizer_config.json"); });
+    const double t_build = bench::median_seconds(5, [&] { vocab = test::large_vocab_text(seed); });
+    const double t_load = bench::median_seconds(5, [&] { (void)Tokenizer::from_strings(vocab, "large", config, "k3_tokenizer_config.json"); });
     const Tokenizer tok = Tokenizer::from_strings(vocab, "large", config, "k3_tokenizer_config.json");
     std::size_t n_pieces = 0;
     std::vector<std::uint32_t> ids;
     std::string back;
-    const double t_pre = bench_tokenizer_median([&] { n_pieces = 0, for_each_pretoken(text, [&](std::string_view) { ++n_pieces; }); });
-    const double t_enc = bench_tokenizer_median([&] { ids = tok.encode(text); });
-    const double t_dec = bench_tokenizer_median([&] { back = tok.decode(ids); });
+    const double t_pre = bench::median_seconds(5, [&] { n_pieces = 0, for_each_pretoken(text, [&](std::string_view) { ++n_pieces; }); });
+    const double t_enc = bench::median_seconds(5, [&] { ids = tok.encode(text); });
+    const double t_dec = bench::median_seconds(5, [&] { back = tok.decode(ids); });
 
     const double mb = double(text.size()) / 1e6;
     std::fprintf(out, "\n== 14 tokenizer: synthetic K3-sized vocabulary (%u BPE tokens + %u specials), median of 5\n",

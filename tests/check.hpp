@@ -10,12 +10,15 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <stdlib.h>  // mkdtemp
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <initializer_list>
 #include <random>
 #include <span>
 #include <string>
@@ -116,6 +119,54 @@ inline Comparison compare_rel(std::span<const float> got, std::span<const float>
     c.detail = buf + first;
     return c;
 }
+
+// ---- errors and temporary files ----------------------------------------------------------------------
+
+// Runs f, which must throw a kimik3::Error whose message contains every one of `parts` (and, when
+// `kind` is given, whose kind is that).
+template <class F, class Parts = std::initializer_list<std::string>>
+void expect_error(F&& f, const ErrorKind* kind, const Parts& parts) {
+    try {
+        f();
+        FAIL("expected an error containing: " << *parts.begin());
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        INFO("message: " << msg);
+        if (kind) CHECK(int(e.kind) == int(*kind));
+        for (const auto& part : parts) CHECK(msg.find(part) != std::string::npos);
+    }
+}
+template <class F, class Parts = std::initializer_list<std::string>> void expect_error(F&& f, const Parts& parts) {
+    expect_error(f, nullptr, parts);
+}
+template <class F, class Parts = std::initializer_list<std::string>> void expect_error(F&& f, ErrorKind kind, const Parts& parts) {
+    expect_error(f, &kind, parts);
+}
+
+// The message of the kimik3::Error f throws, or "(no error)".
+template <class F> std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
+// A fresh temporary directory per test case, removed at the end.
+struct TempDir {
+    std::string path;
+    TempDir() {
+        char tmpl[] = "/tmp/kimik3-test-XXXXXX";
+        const char* p = ::mkdtemp(tmpl);
+        REQUIRE(p != nullptr);
+        path = p;
+    }
+    TempDir(const TempDir&) = delete;
+    TempDir& operator=(const TempDir&) = delete;
+    ~TempDir() { std::filesystem::remove_all(path); }
+    std::string file(const std::string& name) const { return path + "/" + name; }
+};
 
 }  // namespace kimik3::test
 

@@ -11,18 +11,8 @@ using namespace kimik3;
 
 namespace {
 
-// A fresh temporary directory per test case, removed at the end.
-struct TempDir {
-    std::string path;
-    TempDir() {
-        char tmpl[] = "/tmp/kimik3-test01-XXXXXX";
-        const char* p = ::mkdtemp(tmpl);
-        REQUIRE(p != nullptr);
-        path = p;
-    }
-    ~TempDir() { std::filesystem::remove_all(path); }
-    std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using test::TempDir;
+using test::expect_error;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
     std::ofstream f(path, std::ios::binary);
@@ -37,18 +27,6 @@ std::string craft(const std::string& header, std::size_t data_bytes, std::uint64
     out += header;
     for (std::size_t i = 0; i < data_bytes; ++i) out += char(i * 7 + 1);
     return out;
-}
-
-// Runs f, which must throw a kimik3::Error whose message contains every one of `parts`.
-template <class F> void expect_error(F&& f, std::initializer_list<const char*> parts) {
-    try {
-        f();
-        FAIL("expected an error containing: " << *parts.begin());
-    } catch (const Error& e) {
-        const std::string msg = e.what();
-        INFO("message: " << msg);
-        for (const char* part : parts) CHECK(msg.find(part) != std::string::npos);
-    }
 }
 
 const char* kGood = R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[4],"data_offsets":[16,24]}})";

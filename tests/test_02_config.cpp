@@ -11,6 +11,9 @@ using nlohmann::json;
 
 namespace {
 
+using test::TempDir;
+using test::error_of;
+
 const std::string kTiny = test::source_path("fixtures/tiny-k3");
 
 json read_json(const std::string& path) {
@@ -29,25 +32,6 @@ std::pair<json*, std::string> walk(json& j, const std::string& path) {
     }
     return {cur, path.substr(start)};
 }
-
-template <class F> std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "(no error)";
-}
-
-struct TempDir {
-    std::string path;
-    TempDir() {
-        char tmpl[] = "/tmp/kimik3-test02-XXXXXX";
-        REQUIRE(::mkdtemp(tmpl) != nullptr);
-        path = tmpl;
-    }
-    ~TempDir() { std::filesystem::remove_all(path); }
-};
 
 // Rewrites the tiny K3 into one model.safetensors under dir, letting `edit` change, drop or add tensors.
 void write_edited_tiny(const std::string& dir, const std::function<void(const std::string&, const Tensor&, SafetensorsWriter&)>& edit) {

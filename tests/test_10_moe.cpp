@@ -1,23 +1,11 @@
 // Tests for chapter 10: moe. Section numbers match the chapter.
 #include "../chapters/10_moe.hpp"
 
-#include "tiny.hpp"
+#include "tiny_moe.hpp"
 
 using namespace kimik3;
 
-namespace {
-
-MoeWeights moe_weights(test::Tiny& tiny, int l) {
-    const LayerTensors& lt = tiny.tensors.layers[std::size_t(l)];
-    return MoeWeights{tiny.mat(lt.router),
-                      tiny.f32s(lt.router_bias),
-                      tiny.mat(lt.latent_down),
-                      tiny.bf16s(lt.latent_norm),
-                      tiny.mat(lt.latent_up),
-                      DenseFfnWeights{tiny.mat(lt.shared_gate), tiny.mat(lt.shared_up), tiny.mat(lt.shared_down)}};
-}
-
-}  // namespace
+using test::moe_weights;
 
 TEST_CASE("10.1 routing worked by hand: the bias picks, the unbiased scores weigh") {
     // 4 experts, k = 2. Logits 0 for all: scores 0.5 each. Bias (0, 0.3, 0.1, 0.2) picks experts 1 and 3

@@ -13,35 +13,16 @@
 #include <fstream>
 #include <mutex>
 
-#include "tiny.hpp"
+#include "tiny_moe.hpp"
 
 using namespace kimik3;
 
 namespace {
 
-struct TempDir {
-    std::string path;
-    TempDir() {
-        char tmpl[] = "/tmp/kimik3-test11-XXXXXX";
-        const char* p = ::mkdtemp(tmpl);
-        REQUIRE(p != nullptr);
-        path = p;
-    }
-    ~TempDir() { std::filesystem::remove_all(path); }
-    std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using test::expect_error;
+using test::moe_weights;
+using test::TempDir;
 
-template <class F> void expect_error(F&& f, ErrorKind kind, std::initializer_list<std::string> parts) {
-    try {
-        f();
-        FAIL("expected an error containing: " << *parts.begin());
-    } catch (const Error& e) {
-        const std::string msg = e.what();
-        INFO("message: " << msg);
-        CHECK(int(e.kind) == int(kind));
-        for (const std::string& part : parts) CHECK(msg.find(part) != std::string::npos);
-    }
-}
 
 // ---- the synthetic checkpoint ------------------------------------------------------------------------
 // F = 64, L = 128: parts 4096, 256, 4096, 256, 4096, 256 bytes = 13,056 bytes per expert.
@@ -192,16 +173,6 @@ struct Hook {
 };
 
 // ---- the tiny K3 ---------------------------------------------------------------------------------------
-MoeWeights moe_weights(test::Tiny& tiny, int l) {
-    const LayerTensors& lt = tiny.tensors.layers[std::size_t(l)];
-    return MoeWeights{tiny.mat(lt.router),
-                      tiny.f32s(lt.router_bias),
-                      tiny.mat(lt.latent_down),
-                      tiny.bf16s(lt.latent_norm),
-                      tiny.mat(lt.latent_up),
-                      DenseFfnWeights{tiny.mat(lt.shared_gate), tiny.mat(lt.shared_up), tiny.mat(lt.shared_down)}};
-}
-
 const std::vector<float>& mlp_input(int l) {  // layer.{l}.mlp_norm_out, (10, 128)
     static std::map<int, std::vector<float>> cache;
     auto it = cache.find(l);

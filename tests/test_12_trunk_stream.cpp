@@ -10,26 +10,10 @@ using nlohmann::json;
 
 namespace {
 
+using test::TempDir;
+using test::error_of;
+
 const std::string kTiny = test::source_path("fixtures/tiny-k3");
-
-struct TempDir {
-    std::string path;
-    TempDir() {
-        char tmpl[] = "/tmp/kimik3-test12-XXXXXX";
-        REQUIRE(::mkdtemp(tmpl) != nullptr);
-        path = tmpl;
-    }
-    ~TempDir() { std::filesystem::remove_all(path); }
-};
-
-template <class F> std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "(no error)";
-}
 
 // A file whose byte at offset o is (o * 7 + o / 251) & 0xFF: any misplaced byte is visible.
 std::uint8_t pattern(std::uint64_t o) { return std::uint8_t((o * 7 + o / 251) & 0xFF); }

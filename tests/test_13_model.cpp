@@ -12,6 +12,8 @@ using namespace kimik3;
 
 namespace {
 
+using test::TempDir;
+
 const std::string kTiny = test::source_path("fixtures/tiny-k3");
 
 struct Reference {
@@ -41,16 +43,6 @@ int agreeing_argmax(const std::vector<float>& logits, const std::vector<std::int
 std::uint64_t logits_hash(const std::vector<float>& v) {
     return hash_bytes(reinterpret_cast<const std::byte*>(v.data()), v.size() * sizeof(float));
 }
-
-struct TempDir {
-    std::string path;
-    TempDir() {
-        char tmpl[] = "/tmp/kimik3-test13-XXXXXX";
-        REQUIRE(::mkdtemp(tmpl) != nullptr);
-        path = tmpl;
-    }
-    ~TempDir() { std::filesystem::remove_all(path); }
-};
 
 }  // namespace
 

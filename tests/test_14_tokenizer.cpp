@@ -14,6 +14,8 @@ using namespace kimik3;
 
 namespace {
 
+using test::expect_error;
+
 std::string fixture(const std::string& rel) { return detail::read_text_file(test::source_path(rel)); }
 
 const Tokenizer& tiny() {
@@ -67,17 +69,6 @@ std::string byte_vocab(std::initializer_list<std::string> extra) {
 const char* kNoSpecials = R"({"added_tokens_decoder": {}})";
 
 Tokenizer hand_vocab(std::initializer_list<std::string> extra) { return Tokenizer::from_strings(byte_vocab(extra), "hand", kNoSpecials, "cfg"); }
-
-template <class F> void expect_error(F&& f, std::initializer_list<const char*> parts) {
-    try {
-        f();
-        FAIL("expected an error containing: " << *parts.begin());
-    } catch (const Error& e) {
-        const std::string msg = e.what();
-        INFO("message: " << msg);
-        for (const char* part : parts) CHECK(msg.find(part) != std::string::npos);
-    }
-}
 
 std::vector<std::string> pieces(std::string_view text) {
     std::vector<std::string> out;
