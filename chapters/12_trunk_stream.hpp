@@ -161,6 +161,7 @@ struct Plan {
 struct UnitBytes {
     std::vector<std::uint64_t> layer_matrix, layer_small;  // per layer
     std::uint64_t lm_head = 0, largest_row = 0;            // largest_row: the widest matrix row (one chunk must hold it)
+    std::uint64_t largest_matrix = 0;                      // no piece is ever larger than this
 };
 
 inline bool is_streamable_matrix(DType dtype, const Shape& shape) { return dtype == DType::BF16 && shape.rank == 2 && shape[0] > 1; }
@@ -176,6 +177,7 @@ inline UnitBytes unit_bytes(const Config& c) {
             if (is_streamable_matrix(e.dtype, e.shape)) {
                 mat += bytes;
                 u.largest_row = std::max<std::uint64_t>(u.largest_row, bytes / std::uint64_t(e.shape[0]));
+                u.largest_matrix = std::max(u.largest_matrix, bytes);
             } else {
                 small += bytes;
             }
@@ -185,6 +187,7 @@ inline UnitBytes unit_bytes(const Config& c) {
     }
     u.lm_head = std::uint64_t(c.vocab_size) * std::uint64_t(c.hidden_size) * 2;
     u.largest_row = std::max<std::uint64_t>(u.largest_row, std::uint64_t(c.hidden_size) * 2);
+    u.largest_matrix = std::max(u.largest_matrix, u.lm_head);
     return u;
 }
 
@@ -220,9 +223,13 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes : (8ull << 20) + 700 * s.tensors;
     const std::uint64_t expert_slot = round_up(std::size_t(s.expert_bytes), kPageAlign) + kPageAlign;
     // The smallest useful piece: 4 MiB (smaller reads waste the disk's bandwidth for a saving of a few MB),
-    // or one row of the widest matrix if that is larger. An explicit chunk_bytes may go lower (tests).
+    // or one row of the widest matrix if that is larger. But a piece never holds more than one matrix, so
+    // a chunk larger than the largest matrix is memory no read can use (a small model's whole layer can be
+    // under 4 MiB). An explicit chunk_bytes may go lower (tests).
     const std::uint64_t min_row = round_up(std::size_t(std::max<std::uint64_t>(u.largest_row, kPageAlign)), kPageAlign);
-    const std::uint64_t min_chunk = std::max<std::uint64_t>(min_row, 4 << 20);
+    const std::uint64_t whole = round_up(std::size_t(std::max<std::uint64_t>(u.largest_matrix, kPageAlign)), kPageAlign);
+    const std::uint64_t min_chunk = std::max<std::uint64_t>(min_row, std::min<std::uint64_t>(whole, 4 << 20));
+    const std::uint64_t max_chunk = std::max(min_chunk, whole);
     auto slot_bytes = [&](std::uint64_t chunk) { return chunk + 2 * kPageAlign; };
     p.chunk_bytes = o.chunk_bytes ? std::max(o.chunk_bytes, min_row) : min_chunk;
     p.ring_slots = o.ring_slots ? o.ring_slots : 3;  // two pieces in flight while the consumer holds a third
@@ -237,7 +244,7 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     // the disk's sequential bandwidth.
     if (!o.chunk_bytes && !o.ring_slots)
         for (std::uint64_t mb = 64; mb >= 4; mb /= 2) {
-            const std::uint64_t want_chunk = std::max(min_chunk, mb << 20);
+            const std::uint64_t want_chunk = std::min(max_chunk, std::max(min_chunk, mb << 20));
             if (want_chunk <= p.chunk_bytes) break;
             const std::uint64_t grow = 3 * slot_bytes(want_chunk) - p.ring_bytes;
             if (grow <= spare / 4) {

@@ -79,6 +79,27 @@ TEST_CASE("12.2 the real K3's floor is under 2 GB at a 4k context; budgets below
     CHECK(laptop.expert_slots >= 2);  // the trunk gets the memory first; experts stream two at a time
 }
 
+TEST_CASE("12.2 a ring slot is never larger than the largest matrix, so a small model's floor is below all-resident") {
+    // The tiny K3's largest matrix is well under 4 MiB: a 4 MiB chunk would be memory no read can use,
+    // and the floor (3 such slots) would exceed the plan that keeps everything resident.
+    test::Tiny tiny;
+    const Census s = take_census(tiny.ck, tiny.config, tiny.tensors);
+    const UnitBytes u = unit_bytes(tiny.config);
+    REQUIRE(u.largest_matrix < (4u << 20));
+    const Plan floor = make_plan(tiny.config, s, 0, PlanOptions{});
+    CHECK(floor.chunk_bytes >= u.largest_matrix);
+    CHECK(floor.chunk_bytes < u.largest_matrix + kPageAlign);
+    const Plan all = make_plan(tiny.config, s, 1'000'000'000ull, PlanOptions{});
+    REQUIRE(all.pinned_layers() == tiny.config.num_hidden_layers);
+    REQUIRE(all.lm_head_pinned);
+    CHECK(all.ring_bytes == 0);
+    const std::uint64_t all_but_cache = all.total() - all.expert_bytes;  // everything pinned, experts streamed
+    CHECK(floor.floor < all_but_cache + floor.expert_bytes);
+    // at K3's widths the 4 MiB minimum still holds
+    const Config k3 = load_config(test::source_path("fixtures/k3-release/config.json"));
+    CHECK(make_plan(k3, config_census(k3), 0, PlanOptions{}).chunk_bytes >= (4u << 20));
+}
+
 TEST_CASE("12.3 the ring hands out exactly the requested bytes; prefetching follows the learned schedule") {
     TempDir d;
     const std::string path = make_pattern_file(d.path, 1 << 20);
