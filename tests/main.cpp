@@ -4,10 +4,14 @@
 // "kimik3-tests: <binary> P passed, F failed", which tests/run.sh adds up across chapters into the
 // final "N passed, N failed" line of `make test`. A binary that crashes prints no such line, and the
 // runner counts it as a failure, so a segfault can never look like a pass.
+//
+// It also makes parallel_rows split every job, however small (see main()).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
+
+#include "../chapters/00_numerics.hpp"
 
 namespace {
 struct CountingListener : doctest::IReporter {
@@ -39,6 +43,9 @@ struct CountingListener : doctest::IReporter {
 REGISTER_LISTENER("kimik3-count", 1, CountingListener);
 
 int main(int argc, char** argv) {
+    // Split every job across the threads, however small: the claims "the same bits at 1 and 2 threads"
+    // are then tested on the tiny model's matrices too (test 0.8 checks that the split happens).
+    kimik3::parallel_min_work() = 1;
     doctest::Context context(argc, argv);
     return context.run();
 }

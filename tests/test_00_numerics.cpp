@@ -122,12 +122,13 @@ TEST_CASE("0.5 dot_simd is bit-identical to dot_ref on seeded random inputs and 
     test::Rng rng(1234);
     for (std::size_t n : {16u, 32u, 48u, 64u, 128u, 1008u, 4096u, 7168u}) {
         auto a = rng.floats(n, -2.0f, 2.0f), b = rng.floats(n, -3.0f, 3.0f);
-        // planted: -0, denormals, large and tiny magnitudes that make the order of additions matter
+        // planted: -0, a denormal, and one product near 2^23 whose ulp (1) is coarse next to the other
+        // terms (|a b| < 6), so every other term's place in the order of additions shows in the last bits
+        // (a product large enough to swamp the rest, or to overflow sum_squares, would hide the order)
         a[0] = -0.0f;
-        a[n / 2] = 1e30f;
-        b[n / 2] = 1e5f;
+        a[n / 2] = 3000.0f;
+        b[n / 2] = 2900.0f;
         a[n - 1] = std::bit_cast<float>(0x00000003u);
-        a[1] = 0x1p24f;
         std::vector<float> got = {dot_simd(a.data(), b.data(), n)}, want = {dot_ref(a.data(), b.data(), n)};
         CHECK_BITS_EQ(got, want);
         std::vector<float> g2 = {sum_squares_simd(a.data(), n)}, w2 = {sum_squares_ref(a.data(), n)};
@@ -161,4 +162,15 @@ TEST_CASE("0.8 parallel_rows visits every row exactly once, for any thread count
         }
     }
     set_threads(2);
+#ifdef _OPENMP
+    // tests/main.cpp lowers the threshold to 1, so even 8 rows of one multiply-add each are split: a
+    // "1 thread vs 2 threads" test elsewhere really compares two different splits.
+    REQUIRE(parallel_min_work() == 1);
+    std::vector<int> owner(8, -1);
+    parallel_rows(owner.size(), 1, [&](std::size_t b, std::size_t e) {
+        for (std::size_t r = b; r < e; ++r) owner[r] = omp_get_thread_num();
+    });
+    CHECK(owner.front() == 0);
+    CHECK(owner.back() == 1);
+#endif
 }
