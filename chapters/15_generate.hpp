@@ -343,6 +343,14 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
     w.open("message" + xtml_attribute("role", "assistant")), w.open(chat.options.thinking ? "think" : "response");
     std::vector<std::int64_t> fresh = chat.pending;
     fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
+    // Refused before anything is fed, so a refused turn leaves the conversation as it was: the message,
+    // and every drawn token but the last, take a position in each MLA cache.
+    if (max_new == 0) fail(ErrorKind::usage, "chat_turn: max_new must be at least 1");
+    const std::size_t used = chat.session.position(), need = fresh.size() + max_new - 1;
+    if (used + need > chat.context)
+        fail(ErrorKind::usage, "the conversation holds " + std::to_string(used) + " of " + std::to_string(chat.context) +
+                                   " positions, and this turn needs up to " + std::to_string(need) +
+                                   " more: /reset, or start with a larger --context");
     const StopTokens stops = stop_tokens(tok);
     Utf8Stream utf8;
     const std::vector<std::int64_t> reply = continue_session(model, chat.session, fresh, max_new, sp, rng, 32, [&](std::int64_t id) {
@@ -352,7 +360,7 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
         return true;
     });
     on_text(utf8.finish());
-    chat.pending.assign(reply.end() - 1, reply.end());  // the last drawn token: a stop token, or the last of max_new
+    chat.pending.assign(reply.end() - 1, reply.end());  // the last drawn token (max_new >= 1): a stop token, or the last of max_new
     return reply;
 }
 

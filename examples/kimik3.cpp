@@ -3,7 +3,9 @@
 //
 //   kimik3 inspect MODEL_DIR        config summary, layer schedule and census of a checkpoint
 //   kimik3 run MODEL_DIR --ids ...  the model at a memory budget, with a report
-//   kimik3 plan, pack-trunk, simulate-cache
+//   kimik3 chat MODEL_DIR           a conversation that carries the model's state across turns
+//   kimik3 tokenize, detokenize     text to ids and back
+//   kimik3 plan, pack-trunk, simulate-cache, synth
 //   kimik3 --help | help CMD
 #include <cstdio>
 #include <map>

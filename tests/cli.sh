@@ -69,6 +69,20 @@ out=$(KIMIK3_TEST_FAIL_READS_AFTER=3 "$bin" run fixtures/tiny-k3 --ids $prompt -
 rc=$?
 if [ $rc = 4 ] && [ -z "$out" ] && grep -q "Input/output error" "$tmp/fail.err"; then pass=$((pass + 1)); else
     fail=$((fail + 1)); echo "FAILED: a failed weight read exits 4 and prints no tokens: exit $rc, stdout '$out'"; head -5 "$tmp/fail.err"; fi
+# a read that fails mid-generation (a trunk piece or an expert): exit 4, and what was printed before it is
+# a prefix of the correct stream, never a token computed from a failed read
+good=$("$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --context 32 --budget $floor 2>/dev/null)
+ok=1; some=0
+for n in 800 1600 3200; do
+    out=$(KIMIK3_TEST_FAIL_READS_AFTER=$n "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --context 32 --budget $floor 2>"$tmp/fail.err")
+    rc=$?
+    case "$good" in "$out"*) prefix=1 ;; *) prefix=0 ;; esac
+    if [ $rc != 4 ] || [ $prefix != 1 ] || [ "$out" = "$good" ] || ! grep -q "Input/output error" "$tmp/fail.err"; then
+        ok=0; echo "FAILED: a read failing after $n reads: exit $rc, stdout '$out' (the full stream is '$good')"; fi
+    [ -n "$out" ] && some=1
+done
+if [ $ok = 1 ] && [ $some = 1 ]; then pass=$((pass + 1)); else
+    fail=$((fail + 1)); [ $some = 1 ] || echo "FAILED: no injected read failure happened after the first token (adjust the counts)"; fi
 
 # the logits do not depend on the budget or the trunk file: floor, middle, all resident, packed trunk
 expect "pack-trunk" 0 "verified" "$bin" pack-trunk fixtures/tiny-k3 "$tmp/trunk"
@@ -99,6 +113,16 @@ b=$(printf '/load %s\nAnd again?\n' "$tmp/s.session" | "$bin" chat fixtures/tiny
 if [ -n "$a" ] && [ "$a" = "$b" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: chat: a saved session resumes in a new process to the same reply ('$a' vs '$b')"; fi
 expect "chat: a session from a file that is not one is refused, the chat goes on" 0 "not loaded: .*not a kimik3 session file" \
     sh -c "printf '/load fixtures/tiny-k3/config.json\n/quit\n' | '$bin' chat fixtures/tiny-k3"
+expect "chat: a /save that cannot be written is reported, the chat goes on" 0 "not saved: .*cannot create" \
+    sh -c "printf '/save $tmp/no/such/dir/x\n/quit\n' | '$bin' chat fixtures/tiny-k3"
+expect "chat: a turn that would overflow the context is refused before anything is fed" 0 "not sent: the conversation holds 0 of 16 positions" \
+    sh -c "printf 'Hello!\n/quit\n' | '$bin' chat fixtures/tiny-k3 --context 16"
+expect "chat: --max-new 0 is a usage error" 2 "--max-new must be at least 1" "$bin" chat fixtures/tiny-k3 --max-new 0
+expect "run: --budget 0 is a usage error" 2 "--budget: '0' is no memory at all" "$bin" run fixtures/tiny-k3 --ids 1 --budget 0
+expect "run: a non-number --temperature is a usage error" 2 "--temperature: 'abc' is not a number from 0 to 100" "$bin" run fixtures/tiny-k3 --ids 1 --temperature abc
+expect "run: a --context past 2^31 is a usage error" 2 "--context: 384307168202282326 is more than 2147483648" "$bin" run fixtures/tiny-k3 --ids 1 --context 384307168202282326
+expect "pack-trunk: an unknown option is not taken for OUT_DIR" 2 "unknown option '--bogus'" "$bin" pack-trunk fixtures/tiny-k3 --bogus
+[ ! -e ./--bogus ] && pass=$((pass + 1)) || { fail=$((fail + 1)); echo "FAILED: pack-trunk --bogus created ./--bogus"; }
 
 # ---- simulate-cache ------------------------------------------------------------------------------------
 expect "simulate-cache prints the table" 0 "no policy at any size hits more than 69.2%" "$bin" simulate-cache fixtures/traces/tiny.k3trace --sizes 5,48,148 --svg "$tmp/t.svg"

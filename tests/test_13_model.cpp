@@ -89,7 +89,7 @@ TEST_CASE("13.3 the invariance gates: the same logits bits at every budget, trun
         int threads;
     };
     std::vector<Variant> variants;
-    variants.push_back({"at the floor (2 ring slots, 4 kB chunks, 2 expert slots)", floor, 32, 2});
+    variants.push_back({"at the floor (3 ring slots of the largest matrix, 2 expert slots)", floor, 32, 2});
     ModelOptions one_slot = floor;
     one_slot.budget = 0, one_slot.plan.ring_slots = 1, one_slot.plan.chunk_bytes = 4096, one_slot.plan.expert_slots = 1;
     one_slot.budget = make_plan(probe.config, probe.census, 0, one_slot.plan).floor;

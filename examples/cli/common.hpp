@@ -1,6 +1,7 @@
 // Shared pieces of the kimik3 command-line program: exit codes, usage errors, argument helpers.
 #pragma once
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -61,12 +62,50 @@ inline bool take_flag(std::vector<std::string>& args, const std::string& name) {
     return false;
 }
 
-// A non-negative integer option value, or a usage error naming the option.
-inline long long parse_count(const std::string& s, const std::string& name, const char* usage) {
+// A non-negative integer option value up to `max`, or a usage error naming the option.
+inline long long parse_count(const std::string& s, const std::string& name, const char* usage, long long max = 1ll << 40) {
     char* end = nullptr;
+    errno = 0;
     const long long v = std::strtoll(s.c_str(), &end, 10);
-    if (s.empty() || *end != '\0' || v < 0) throw Usage(name + ": '" + s + "' is not a non-negative integer\n\n" + usage);
+    if (s.empty() || *end != '\0' || v < 0 || errno == ERANGE) throw Usage(name + ": '" + s + "' is not a non-negative integer\n\n" + usage);
+    if (v > max) throw Usage(name + ": " + s + " is more than " + std::to_string(max) + "\n\n" + usage);
     return v;
+}
+
+// A real option value in [lo, hi], or a usage error naming the option.
+inline float parse_real(const std::string& s, const std::string& name, const char* usage, float lo, float hi) {
+    char* end = nullptr;
+    errno = 0;
+    const float v = std::strtof(s.c_str(), &end);
+    if (s.empty() || *end != '\0' || errno == ERANGE || !(v >= lo && v <= hi)) {
+        char range[64];
+        std::snprintf(range, sizeof range, "%g to %g", double(lo), double(hi));
+        throw Usage(name + ": '" + s + "' is not a number from " + range + "\n\n" + usage);
+    }
+    return v;
+}
+
+// The most positions --context, --gen or --max-new may ask for (2^31: far past any model's window, and
+// far from overflowing the plan's arithmetic).
+constexpr long long kMaxPositions = 1ll << 31;
+
+// --budget SIZE or --preset NAME (or neither: the auto preset) in bytes. 0 is refused here: inside
+// the engine it means "everything resident, no budget".
+inline std::uint64_t budget_bytes(const std::string& budget, const std::string& preset, const char* usage) {
+    if (!budget.empty() && !preset.empty()) throw Usage(std::string("give --budget or --preset, not both\n\n") + usage);
+    const std::uint64_t b = budget.empty() ? preset_bytes(preset.empty() ? "auto" : preset) : parse_size(budget);
+    if (b == 0) throw Usage("--budget: '" + budget + "' is no memory at all\n\n" + usage);
+    return b;
+}
+
+// Shown before any weight is read: the plan, and a refusal when it would not fit in available memory
+// (better than running into the out-of-memory killer halfway through loading).
+inline void show_and_check_plan(const Plan& plan, const Config& config) {
+    std::fprintf(stderr, "%s", describe_plan(plan, config).c_str());
+    const std::uint64_t avail = mem_available();
+    if (avail && plan.total() > avail / 100 * 95)
+        fail(ErrorKind::budget, "the plan needs " + human_bytes(double(plan.total())) + ", more than 95% of the " +
+                                    human_bytes(double(avail)) + " available: lower --budget");
 }
 
 }  // namespace kimik3::cli

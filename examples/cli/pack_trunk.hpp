@@ -18,6 +18,8 @@ inline const char* kPackTrunkUsage =
 inline int cmd_pack_trunk(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kPackTrunkUsage, stdout), kExitOk;
     if (args.empty() || args.size() > 2) throw Usage(std::string("pack-trunk takes MODEL_DIR [OUT_DIR]\n\n") + kPackTrunkUsage);
+    for (const std::string& a : args)
+        if (a.rfind("-", 0) == 0) throw Usage("unknown option '" + a + "'\n\n" + kPackTrunkUsage);
     const std::string dir = args[0], out = args.size() == 2 ? args[1] : args[0];
     const Config c = load_config(dir);
     Checkpoint ck(dir);

@@ -30,7 +30,7 @@ inline int cmd_plan(std::vector<std::string> args) {
         s = config_census(c);
     }
     PlanOptions o;
-    if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kPlanUsage));
+    if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kPlanUsage, kMaxPositions));
     const Plan p = make_plan(c, s, budget.empty() ? preset_bytes(preset) : parse_size(budget), o);
     if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p));
     std::printf("%s", describe_plan(p, c).c_str());

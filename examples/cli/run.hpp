@@ -45,13 +45,13 @@ inline const char* kRunUsage =
     "go to stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error or refused config/checkpoint, 3 budget\n"
     "refused, 4 a weight read failed (nothing is printed after the failure).\n";
 
-inline std::vector<std::int64_t> parse_ids(const std::string& s) {
+inline std::vector<std::int64_t> parse_ids(const std::string& s, const std::string& name = "--ids", const char* usage = kRunUsage) {
     std::vector<std::int64_t> ids;
     std::size_t i = 0;
     while (i <= s.size()) {
         const std::size_t j = std::min(s.find(',', i), s.size());
         const std::string part = s.substr(i, j - i);
-        ids.push_back(parse_count(part, "--ids", kRunUsage));
+        ids.push_back(parse_count(part, name, usage));
         i = j + 1;
     }
     return ids;
@@ -128,15 +128,15 @@ inline int cmd_run(std::vector<std::string> args) {
     const std::string dir = args[0];
     if ((!ids_arg.empty()) + (!prompt.empty()) + (!prompt_file.empty()) != 1)
         throw Usage(std::string("give exactly one of --ids, --prompt, --prompt-file\n\n") + kRunUsage);
-    if (!budget_arg.empty() && !preset.empty()) throw Usage(std::string("give --budget or --preset, not both\n\n") + kRunUsage);
-    const std::size_t gen = gen_arg.empty() ? 16 : std::size_t(parse_count(gen_arg, "--gen", kRunUsage));
+    const std::uint64_t budget = budget_bytes(budget_arg, preset, kRunUsage);
+    const std::size_t gen = gen_arg.empty() ? 16 : std::size_t(parse_count(gen_arg, "--gen", kRunUsage, kMaxPositions));
     const std::size_t chunk = chunk_arg.empty() ? 32 : std::size_t(parse_count(chunk_arg, "--prefill-chunk", kRunUsage));
     if (chunk == 0) throw Usage(std::string("--prefill-chunk must be at least 1\n\n") + kRunUsage);
     if (!threads_arg.empty()) set_threads(int(parse_count(threads_arg, "--threads", kRunUsage)));
     SamplingParams sp;
-    sp.temperature = temp_arg.empty() ? 0.0f : std::stof(temp_arg);
-    sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage));
-    sp.top_p = topp_arg.empty() ? 1.0f : std::stof(topp_arg);
+    sp.temperature = temp_arg.empty() ? 0.0f : parse_real(temp_arg, "--temperature", kRunUsage, 0.0f, 100.0f);
+    sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage, 1 << 30));
+    sp.top_p = topp_arg.empty() ? 1.0f : parse_real(topp_arg, "--top-p", kRunUsage, 0.0f, 1.0f);
     SplitMix64 rng(seed_arg.empty() ? 0 : std::uint64_t(parse_count(seed_arg, "--seed", kRunUsage)));
     const auto t_start = std::chrono::steady_clock::now();
 
@@ -169,8 +169,9 @@ inline int cmd_run(std::vector<std::string> args) {
 
     // the model at the budget
     ModelOptions mo;
-    mo.budget = budget_arg.empty() ? preset_bytes(preset.empty() ? "auto" : preset) : parse_size(budget_arg);
-    mo.plan.context = context_arg.empty() ? ids.size() + gen : std::uint64_t(parse_count(context_arg, "--context", kRunUsage));
+    mo.budget = budget;
+    mo.on_plan = show_and_check_plan;
+    mo.plan.context = context_arg.empty() ? ids.size() + gen : std::uint64_t(parse_count(context_arg, "--context", kRunUsage, kMaxPositions));
     if (mo.plan.context < ids.size() + gen)
         throw Usage("--context " + std::to_string(mo.plan.context) + " is smaller than the " + std::to_string(ids.size() + gen) +
                     " positions this run needs\n");
@@ -186,11 +187,6 @@ inline int cmd_run(std::vector<std::string> args) {
     const std::size_t V = std::size_t(model.config.vocab_size);
     for (std::int64_t id : ids)
         if (id < 0 || std::size_t(id) >= V) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(V) + ")\n");
-    std::fprintf(stderr, "%s", describe_plan(model.plan, model.config).c_str());
-    const std::uint64_t avail = mem_available();
-    if (avail && model.plan.total() > avail / 100 * 95)
-        fail(ErrorKind::budget, "the plan needs " + human_bytes(double(model.plan.total())) + ", more than 95% of the " +
-                                    human_bytes(double(avail)) + " available: lower --budget");
     const double load_seconds = seconds_since(t_start);
 
     // the run

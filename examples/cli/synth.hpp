@@ -199,7 +199,7 @@ inline int cmd_synth(std::vector<std::string> args) {
                  c.schedule_string().c_str(), experts, nshards, human_bytes(double(total)).c_str(), thousands(total).c_str(), out.c_str(),
                  human_bytes(double(room)).c_str());
     if (!force && room < total + (64u << 20))
-        fail(ErrorKind::budget, out + ": the disk has " + human_bytes(double(room)) + " free, the checkpoint needs " +
+        fail(ErrorKind::runtime, out + ": the disk has " + human_bytes(double(room)) + " free, the checkpoint needs " +
                                     human_bytes(double(total)) + " (use --force to try anyway)");
 
     // write: per shard one stream of 32 MB blocks (the header padded with spaces to a whole number of
@@ -225,6 +225,7 @@ inline int cmd_synth(std::vector<std::string> args) {
         Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644));
         if (fd.get() < 0 && errno == EINVAL) fd = Fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
         if (fd.get() < 0) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
+        RemoveUnlessKept cleanup(tmp);  // a failed write leaves no partial multi-GB shard behind
         std::uint64_t file_pos = 0;
         auto put = [&](const std::byte* p, std::size_t n) {  // n a multiple of 4096, p page-aligned
             for (std::size_t w = 0; w < n;) {
@@ -278,6 +279,7 @@ inline int cmd_synth(std::vector<std::string> args) {
             fail(ErrorKind::runtime, tmp + ": could not be finished: " + errno_text(errno));
         fd.reset();
         if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
+        cleanup.keep();
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     SafetensorsWriter::write_text_atomic(out + "/model.safetensors.index.json", index.dump(1) + "\n");

@@ -49,7 +49,7 @@ inline int cmd_detokenize(std::vector<std::string> args) {
     if (args.size() != 2) throw Usage(std::string("detokenize takes MODEL_DIR IDS\n\n") + kDetokenizeUsage);
     const Tokenizer tok = Tokenizer::load(args[0]);
     std::vector<std::uint32_t> ids;
-    for (std::int64_t id : parse_ids(args[1])) {
+    for (std::int64_t id : parse_ids(args[1], "IDS", kDetokenizeUsage)) {
         if (id >= std::int64_t(tok.vocab_size())) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary\n");
         ids.push_back(std::uint32_t(id));
     }
@@ -66,20 +66,21 @@ inline int cmd_chat(std::vector<std::string> args) {
                       system = take_option(args, "--system", kChatUsage), trunk = take_option(args, "--trunk", kChatUsage);
     const bool think = take_flag(args, "--think");
     if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("chat takes MODEL_DIR\n\n") + kChatUsage);
-    if (!budget.empty() && !preset.empty()) throw Usage(std::string("give --budget or --preset, not both\n\n") + kChatUsage);
-    const Tokenizer tok = Tokenizer::load(args[0]);
     ModelOptions mo;
-    mo.budget = budget.empty() ? preset_bytes(preset.empty() ? "auto" : preset) : parse_size(budget);
-    mo.plan.context = context.empty() ? 4096 : std::uint64_t(parse_count(context, "--context", kChatUsage));
+    mo.budget = budget_bytes(budget, preset, kChatUsage);
+    mo.plan.context = context.empty() ? 4096 : std::uint64_t(parse_count(context, "--context", kChatUsage, kMaxPositions));
     mo.trunk_dir = trunk;
-    Model model(args[0], mo);
-    std::fprintf(stderr, "%s", describe_plan(model.plan, model.config).c_str());
+    mo.on_plan = show_and_check_plan;
+    // every option is checked before the model loads
     SamplingParams sp;
-    sp.temperature = temp.empty() ? 0.0f : std::stof(temp);
-    sp.top_k = topk.empty() ? 0 : int(parse_count(topk, "--top-k", kChatUsage));
-    sp.top_p = topp.empty() ? 1.0f : std::stof(topp);
+    sp.temperature = temp.empty() ? 0.0f : parse_real(temp, "--temperature", kChatUsage, 0.0f, 100.0f);
+    sp.top_k = topk.empty() ? 0 : int(parse_count(topk, "--top-k", kChatUsage, 1 << 30));
+    sp.top_p = topp.empty() ? 1.0f : parse_real(topp, "--top-p", kChatUsage, 0.0f, 1.0f);
     SplitMix64 rng(seed.empty() ? 0 : std::uint64_t(parse_count(seed, "--seed", kChatUsage)));
-    const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage));
+    const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage, kMaxPositions));
+    if (limit == 0) throw Usage(std::string("--max-new must be at least 1\n\n") + kChatUsage);
+    const Tokenizer tok = Tokenizer::load(args[0]);
+    Model model(args[0], mo);
     Chat chat(model.config, mo.plan.context);
     chat.options.thinking = think;
     auto start = [&] {
@@ -103,8 +104,12 @@ inline int cmd_chat(std::vector<std::string> args) {
             continue;
         }
         if (line.rfind("/save ", 0) == 0) {
-            save_chat(line.substr(6), model, chat);
-            std::fprintf(stderr, "(saved %zu tokens of history to %s)\n", chat.session.tokens.size(), line.substr(6).c_str());
+            try {
+                save_chat(line.substr(6), model, chat);
+                std::fprintf(stderr, "(saved %zu tokens of history to %s)\n", chat.session.tokens.size(), line.substr(6).c_str());
+            } catch (const Error& e) {
+                std::fprintf(stderr, "(not saved: %s)\n", e.what());
+            }
             continue;
         }
         if (line.rfind("/load ", 0) == 0) {
@@ -121,10 +126,17 @@ inline int cmd_chat(std::vector<std::string> args) {
             continue;
         }
         const auto t0 = std::chrono::steady_clock::now();
-        const std::vector<std::int64_t> reply = chat_turn(model, chat, tok, line, limit, sp, rng, [](const std::string& text) {
-            std::fputs(text.c_str(), stdout);
-            std::fflush(stdout);
-        });
+        std::vector<std::int64_t> reply;
+        try {
+            reply = chat_turn(model, chat, tok, line, limit, sp, rng, [](const std::string& text) {
+                std::fputs(text.c_str(), stdout);
+                std::fflush(stdout);
+            });
+        } catch (const Error& e) {
+            if (e.kind != ErrorKind::usage) throw;  // a failed read is the end (exit 4); a refused turn is not
+            std::fprintf(stderr, "(not sent: %s)\n", e.what());
+            continue;
+        }
         std::printf("\n");
         std::fflush(stdout);
         std::fprintf(stderr, "(%zu tokens, %.2f s; %zu in the conversation)\n", reply.size(), seconds_since(t0), chat.session.tokens.size());
