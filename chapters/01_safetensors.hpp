@@ -637,6 +637,23 @@ class Checkpoint {
 // ---------------------------------------------------------------------------------------------------
 // 1.7 Writing a file
 // ---------------------------------------------------------------------------------------------------
+// Removes `path` when it goes out of scope, unless keep() was called: a write that fails partway leaves
+// no partial file behind (writers write NAME.tmp, keep() it once renamed into place).
+class RemoveUnlessKept {
+  public:
+    explicit RemoveUnlessKept(std::string path) : path_(std::move(path)) {}
+    RemoveUnlessKept(const RemoveUnlessKept&) = delete;
+    RemoveUnlessKept& operator=(const RemoveUnlessKept&) = delete;
+    ~RemoveUnlessKept() {
+        if (!kept_) std::remove(path_.c_str());
+    }
+    void keep() { kept_ = true; }
+
+  private:
+    std::string path_;
+    bool kept_ = false;
+};
+
 // The writer lays tensors out in the order they were added, contiguous, pads the header with spaces to a
 // multiple of 8, and writes to `path.tmp` before renaming, so an interrupted write never leaves a
 // half-written file under the real name. `add_sparse` declares a tensor without data: its bytes are a
@@ -730,9 +747,15 @@ class SafetensorsWriter {
         const std::string tmp = path + ".tmp";
         {
             std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+            if (!f) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
             f.write(text.data(), std::streamsize(text.size()));
             f.flush();
-            if (!f) fail(ErrorKind::runtime, tmp + ": write failed");
+            if (!f) {
+                const int err = errno;
+                f.close();
+                std::remove(tmp.c_str());
+                fail(ErrorKind::runtime, tmp + ": write failed: " + errno_text(err));
+            }
         }
         if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
     }

@@ -184,7 +184,9 @@ struct ConfigReader {
         if (!v->is_array()) return bad(path, key, ": " + v->dump() + " is not a list"), out;
         for (const auto& x : *v) {
             if (!x.is_number_integer()) return bad(path, key, ": element " + x.dump() + " is not an integer"), out;
-            out.push_back(x.get<int>());
+            const std::int64_t i = x.get<std::int64_t>();
+            if (i < -(1 << 30) || i > (1 << 30)) return bad(path, key, ": element " + x.dump() + " is out of range"), out;
+            out.push_back(int(i));
         }
         return out;
     }
@@ -221,11 +223,20 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     const std::string tp = nested ? "text_config." : "";
     if (nested && !t.is_object()) fail(ErrorKind::format, source + ": text_config is not an object");
 
-    // token ids live at the top level of the release (and in text_config): optional, -1 when absent
+    // token ids live at the top level of the release (and in text_config): optional (absent or null:
+    // -1), but one that is given must be a non-negative integer
     auto token_id = [&](const char* key) -> std::int64_t {
-        for (const nlohmann::json* o : {&root, &t})
-            if (o->contains(key) && (*o)[key].is_number_integer()) return (*o)[key].get<std::int64_t>();
-        return -1;
+        std::int64_t id = -1;
+        for (int pass = 0; pass < (nested ? 2 : 1); ++pass) {  // a flat config: t is root, read once
+            const nlohmann::json* o = pass == 0 ? &root : &t;
+            if (!o->contains(key) || (*o)[key].is_null()) continue;
+            const nlohmann::json& v = (*o)[key];
+            const std::string where = (o == &root ? std::string() : tp) + key;
+            if (!v.is_number_integer()) r.problems.push_back(where + ": " + v.dump() + " is not an integer");
+            else if (v.get<std::int64_t>() < 0) r.problems.push_back(where + ": " + v.dump() + " is negative");
+            else if (id < 0) id = v.get<std::int64_t>();
+        }
+        return id;
     };
     c.bos_token_id = token_id("bos_token_id");
     c.eos_token_id = token_id("eos_token_id");
@@ -310,6 +321,18 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
               {"num_key_value_heads", "num_attention_heads"});
     r.require(!tied, "tie_word_embeddings: true is not supported (K3 has a separate lm_head)");
     r.require(c.rms_norm_eps > 0, tp + "rms_norm_eps: must be positive", {"rms_norm_eps"});
+    // A_log is stored as [head_dim] and read per head (spec 3.3): it must hold one entry per head
+    r.require(c.kda_num_heads <= c.kda_head_dim, lp + "num_heads: " + std::to_string(c.kda_num_heads) + " is more than head_dim " +
+                                                     std::to_string(c.kda_head_dim) + " (A_log, stored as [head_dim], holds one decay scale per head)",
+              {"num_heads", "head_dim"});
+    // products of two fields must stay in range too (the KDA width P and the fused shared-expert width)
+    r.require(std::int64_t(c.kda_num_heads) * c.kda_head_dim <= (1 << 30),
+              lp + "num_heads x head_dim: " + std::to_string(std::int64_t(c.kda_num_heads) * c.kda_head_dim) + " is out of range",
+              {"num_heads", "head_dim"});
+    r.require(std::int64_t(c.num_shared_experts) * c.moe_intermediate_size <= (1 << 30),
+              tp + "num_shared_experts x moe_intermediate_size: " +
+                  std::to_string(std::int64_t(c.num_shared_experts) * c.moe_intermediate_size) + " is out of range",
+              {"num_shared_experts", "moe_intermediate_size"});
     r.require(c.num_experts_per_token <= c.num_experts, tp + "num_experts_per_token: " + std::to_string(c.num_experts_per_token) +
                                                             " is more than num_experts " + std::to_string(c.num_experts),
               {"num_experts_per_token", "num_experts"});
@@ -411,7 +434,8 @@ inline Config load_config(std::string path) {
     return parse_config(j, path);
 }
 
-// One line per aspect: "attention KKKM..., ffn D then 12 x MoE, AttnRes banks at layers 0 4 8 12".
+// One line per aspect: the attention schedule (KKKM...), the FFN kinds (DEEE...: D = dense, E = latent MoE),
+// and the layers where AttnRes opens a new bank.
 inline std::string describe_schedule(const Config& c) {
     std::string ffn, banks;
     int moe = 0;

@@ -5,8 +5,7 @@
 //   The first real kernels, and the first use of the chapter-00 pattern "reference, then SIMD,
 //   bit-identical, one dispatcher". Three normalisations appear in K3, and they differ in details that
 //   a plausible implementation gets wrong: mean versus sum of squares, where epsilon goes, what eps is.
-//   New since chapter 01 (chapter 02, the config, comes with the checkpoint issue): an element-wise
-//   template written once for `float` and for a SIMD batch.
+//   New since chapter 02: an element-wise template written once for `float` and for a SIMD batch.
 //
 // WHERE THIS SITS IN KIMI K3 (spec 0.1, 3.3, 3.4.4, 3.4.6)
 //   RMSNorm          before every attention and FFN (2 x 93), the model's final norm, the latent MoE

@@ -197,7 +197,7 @@ inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t row
 // 4.5 Matrices that arrive in pieces
 // ---------------------------------------------------------------------------------------------------
 // A weight matrix is either resident (one pointer) or streamed: chapter 12 delivers its rows in chunks
-// through a small ring of buffers, so that K3's 2.35 GB lm_head or 1.45 GB dense down-projection needs
+// through a small ring of buffers, so that K3's 2.35 GB lm_head or 0.48 GB dense down-projection needs
 // only a few MB of memory at a time. Every output row's dot product is computed on its own (4.1), so
 // cutting the rows into chunks cannot change a bit of y: `linear` is the same function either way.
 struct RowStream {

@@ -99,6 +99,7 @@ struct KdaState {
 
     KdaState() = default;
     explicit KdaState(const KdaDims& d) : heads(d.heads), head_dim(d.head_dim), conv(d.conv) {
+        if (d.conv < 1) fail(ErrorKind::usage, "KDA state: short_conv_kernel_size must be at least 1");
         history.assign(3 * (d.conv - 1) * d.width(), 0.0f);
         S.assign(d.heads * d.head_dim * d.head_dim, 0.0f);
     }
@@ -112,11 +113,13 @@ struct KdaState {
         out.write(reinterpret_cast<const char*>(dims), sizeof dims);
         out.write(reinterpret_cast<const char*>(history.data()), std::streamsize(history.size() * 4));
         out.write(reinterpret_cast<const char*>(S.data()), std::streamsize(S.size() * 4));
+        if (!out) fail(ErrorKind::runtime, "KDA state: write failed");
     }
     void load(std::istream& in) {  // into a state already sized for the layer; refuses other dims
         std::uint64_t dims[3] = {};
         in.read(reinterpret_cast<char*>(dims), sizeof dims);
-        if (!in || dims[0] != heads || dims[1] != head_dim || dims[2] != conv)
+        if (!in) fail(ErrorKind::format, "KDA state: the saved state is truncated (no header)");
+        if (dims[0] != heads || dims[1] != head_dim || dims[2] != conv)
             fail(ErrorKind::format, "KDA state: saved for " + std::to_string(dims[0]) + " heads x " + std::to_string(dims[1]) +
                                         ", conv " + std::to_string(dims[2]) + "; this layer has " + std::to_string(heads) +
                                         " x " + std::to_string(head_dim) + ", conv " + std::to_string(conv));
@@ -246,8 +249,36 @@ struct KdaRecord {
     std::vector<float> q_conv, k_conv, v_conv, q_hat, k_hat, beta, g, o, o_gated;  // (T, P) or (T, H)
 };
 
+namespace detail {
+// Weights, dims and state must agree before anything is read or written: a state built for another
+// layer shape, or a matrix of the wrong shape, would otherwise be indexed out of bounds.
+inline void kda_check(const KdaWeights& w, const KdaDims& d, const KdaState& st) {
+    const std::size_t D = d.hidden, P = d.width(), H = d.heads, Dh = d.head_dim;
+    auto shape = [&](const char* name, const MatrixRef& m, std::size_t rows, std::size_t cols) {
+        if (m.rows != rows || m.cols != cols)
+            fail(ErrorKind::usage, std::string("kda_forward: ") + name + " is [" + std::to_string(m.rows) + ", " +
+                                       std::to_string(m.cols) + "], the dims want [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+    };
+    shape("q_proj", w.q_proj, P, D);
+    shape("k_proj", w.k_proj, P, D);
+    shape("v_proj", w.v_proj, P, D);
+    shape("f_a_proj", w.f_a_proj, Dh, D);
+    shape("f_b_proj", w.f_b_proj, P, Dh);
+    shape("b_proj", w.b_proj, H, D);
+    shape("g_proj", w.g_proj, P, D);
+    shape("o_proj", w.o_proj, D, P);
+    if (H > Dh) fail(ErrorKind::usage, "kda_forward: " + std::to_string(H) + " heads but A_log holds " + std::to_string(Dh));
+    if (st.heads != H || st.head_dim != Dh || st.conv != d.conv || st.S.size() != H * Dh * Dh ||
+        st.history.size() != 3 * (d.conv - 1) * P)
+        fail(ErrorKind::usage, "kda_forward: the state is for " + std::to_string(st.heads) + " heads x " + std::to_string(st.head_dim) +
+                                   ", conv " + std::to_string(st.conv) + "; the layer has " + std::to_string(H) + " x " +
+                                   std::to_string(Dh) + ", conv " + std::to_string(d.conv));
+}
+}  // namespace detail
+
 inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaWeights& w, const KdaDims& d, KdaState& st,
                         KdaRecord* rec = nullptr) {  // y (T, D), u (T, D): the input_layernorm output
+    detail::kda_check(w, d, st);
     const std::size_t T = tokens, P = d.width(), H = d.heads, Dh = d.head_dim;
     // Projections: every token's bits are independent of T (chapter 04), so prefill may batch them.
     std::vector<float> q(T * P), k(T * P), v(T * P), gate(T * P), fa(T * Dh), f(T * P), b(T * H);

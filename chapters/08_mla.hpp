@@ -551,8 +551,8 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
     });
 
     // 8.5.3 values: attn[t][h] = W_UV[h] ctx[h][t], one 16-lane bf16 dot per output (chapter 04's kernel).
-    // Heads split across threads; chapter 04's own row split then runs as a nested OpenMP region, which
-    // is inactive by default (one thread). Either way rows are independent outputs: the same bits.
+    // Heads split across threads; inside that region chapter 04's row split sees in_parallel() and runs
+    // inline on its thread (no nested team). Either way rows are independent outputs: the same bits.
     std::vector<float> attn(T * H * Dv);  // (T, H*Dv)
     for_each_rows(w.kv_b_proj, [&](std::size_t r0, std::size_t r1, const bf16* rows) {
         if (r1 <= r0) return;

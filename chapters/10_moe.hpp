@@ -75,6 +75,12 @@ struct Routing {
 // Routes T tokens from their router logits.
 inline Routing route(const float* logits, const float* bias, std::size_t tokens, std::size_t experts, std::size_t k,
                      float scaling, int layer) {  // logits (T, E), bias (E)
+    const std::string at = "layer " + std::to_string(layer) + ": ";
+    if (k < 1 || k > 64 || k > experts)
+        fail(ErrorKind::usage, at + "top-k of " + std::to_string(k) + " from " + std::to_string(experts) +
+                                   " experts (k must be 1..64 and at most the expert count)");
+    for (std::size_t e = 0; e < experts; ++e)  // a NaN bias would break the selection order silently
+        if (std::isnan(bias[e])) fail(ErrorKind::format, at + "e_score_correction_bias of expert " + std::to_string(e) + " is NaN");
     Routing r;
     r.tokens = tokens;
     r.k = k;
@@ -88,7 +94,7 @@ inline Routing route(const float* logits, const float* bias, std::size_t tokens,
         for (std::size_t e = 0; e < experts; ++e) {
             const float l = logits[t * experts + e];
             if (std::isnan(l))
-                fail(ErrorKind::runtime, "layer " + std::to_string(layer) + ": router logit of expert " + std::to_string(e) +
+                fail(ErrorKind::runtime, at + "router logit of expert " + std::to_string(e) +
                                              " is NaN for token " + std::to_string(t));
             s[e] = sigmoid(l);
             biased[e] = s[e] + bias[e];  // selection only (trap 5.1.3)
@@ -97,7 +103,7 @@ inline Routing route(const float* logits, const float* bias, std::size_t tokens,
         std::partial_sort(order.begin(), order.begin() + long(k), order.end(), [&](int a, int b) {
             return biased[std::size_t(a)] > biased[std::size_t(b)] || (biased[std::size_t(a)] == biased[std::size_t(b)] && a < b);
         });
-        float chosen[kLanes * 4];  // k <= 64 checked by the caller
+        float chosen[kLanes * 4];  // k <= 64, checked above
         for (std::size_t i = 0; i < k; ++i) chosen[i] = s[order[i]];
         const float denom = sum16(chosen, k) + 1e-20f;
         for (std::size_t i = 0; i < k; ++i) {
@@ -170,7 +176,6 @@ struct MoeRecord {
 
 inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeWeights& w, const MoeDims& d,
                         ExpertProvider& provider, MoeRecord* record = nullptr) {  // y (T, D), x (T, D)
-    if (d.k > 64 || d.k > d.experts) fail(ErrorKind::usage, "moe_forward: k = " + std::to_string(d.k) + " is not supported");
     const std::size_t T = tokens, D = d.hidden, L = d.latent, K = d.k;
     // 1-3: router logits, scores, selection and weights
     std::vector<float> logits(T * d.experts);  // (T, E)
@@ -254,19 +259,19 @@ class ResidentExperts : public ExpertProvider {
     }
     std::size_t capacity() const override { return capacity_; }
     void fetch(int layer, std::span<const int> ids, ExpertWeights* out) override {
-        if (ids.size() > capacity_) fail(ErrorKind::usage, "ResidentExperts::fetch: more experts than the capacity");
+        if (ids.size() > capacity_)
+            fail(ErrorKind::usage, "ResidentExperts::fetch: " + std::to_string(ids.size()) + " experts at once in layer " +
+                                       std::to_string(layer) + ", but the capacity is " + std::to_string(capacity_));
         for (std::size_t i = 0; i < ids.size(); ++i) {
             auto it = weights_.find({layer, ids[i]});
             if (it == weights_.end())
                 fail(ErrorKind::usage, "no routed expert " + std::to_string(ids[i]) + " in layer " + std::to_string(layer));
             out[i] = it->second;
         }
-        ++fetches_;
     }
-    std::size_t fetches() const { return fetches_; }
 
   private:
-    std::size_t capacity_ = 0, all_ = 0, fetches_ = 0;
+    std::size_t capacity_ = 0, all_ = 0;
     std::map<std::pair<int, int>, ExpertWeights> weights_;
     std::vector<AlignedBuffer> buffers_;
 };

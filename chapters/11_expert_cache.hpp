@@ -59,7 +59,8 @@
 //   * A read error, or end of file before the expert's last byte, is Error(io) naming the expert, the
 //     file, the offset and the size; a scale byte 255 is Error(format) naming the tensor; a trace file
 //     that is missing or malformed is Error(format), one that cannot be written Error(runtime). After a
-//     failed fetch no slot of that batch is resident: the next request reads again.
+//     failed fetch no slot the batch was reading into stays resident (its hits stay as they were): the
+//     next request for any of its misses reads again.
 //   * fetch(layer, ids): hits first, then misses in request order into the lowest empty slot or the
 //     policy's victim; a slot holding an expert of this batch is never the victim (so ids.size() <=
 //     slots always fits). Misses are read in parallel (`readers` threads) in (shard path, offset) order.
@@ -116,6 +117,15 @@ namespace detail {
 inline std::size_t widened_bytes(std::uint64_t offset, std::uint64_t n) {
     return round_up(std::size_t(offset % kPageAlign + n), kPageAlign);
 }
+}  // namespace detail
+
+// The most memory one slot can need for an expert of `expert_bytes` contiguous bytes, wherever it
+// starts: its bytes widened to 4096-byte boundaries at both ends (what the planner and the simulator count).
+inline std::uint64_t expert_slot_bound(std::uint64_t expert_bytes) {
+    return round_up(std::size_t(expert_bytes), kPageAlign) + kPageAlign;
+}
+
+namespace detail {
 
 // Reads file bytes from `start` (4096-aligned) into dst (4096-aligned) through an O_DIRECT descriptor,
 // asking for `want` bytes (a multiple of 4096) and requiring the first `need` of them. Returns the bytes
@@ -447,11 +457,8 @@ struct ExpertCacheOptions {
 class ExpertCache : public ExpertProvider {
   public:
     ExpertCache(const ModelTensors& m, const Config& c, std::size_t slots, ExpertCacheOptions o = {})
-        : store_(m, o.direct), table_(slots, make_policy(o.policy, slots), m.expert_bytes), options_(o),
-          slot_bytes_(store_.slot_bytes()), weights_(slots) {
-        if (slots > SIZE_MAX / slot_bytes_) fail(ErrorKind::budget, "expert cache: " + std::to_string(slots) + " slots overflow memory");
-        if (c.num_hidden_layers > 65535 || c.num_experts > 65535)
-            fail(ErrorKind::usage, "expert cache: the trace stores layer and expert ids in 16 bits (K3: 93 layers, 896 experts)");
+        : store_(m, o.direct), slot_bytes_(checked_slot_bytes(store_, slots, c)),
+          table_(slots, make_policy(o.policy, slots), m.expert_bytes), options_(o), weights_(slots) {
         arena_.resize(slots * slot_bytes_);  // (slots, slot_bytes), 4096-aligned; pages arrive on first read
         trace_ = Trace{std::uint32_t(c.num_hidden_layers), std::uint32_t(c.num_experts), std::uint32_t(c.num_experts_per_token), 0,
                        m.expert_bytes, {}};
@@ -533,10 +540,23 @@ class ExpertCache : public ExpertProvider {
             }
     }
 
+    // Checked before anything is sized by `slots`: a count that overflows memory, or ids the trace's
+    // 16-bit fields cannot hold, is refused with the numbers rather than failing inside an allocation.
+    static std::size_t checked_slot_bytes(const ExpertStore& store, std::size_t slots, const Config& c) {
+        const std::size_t slot = store.slot_bytes();
+        if (slots > SIZE_MAX / slot / 2)
+            fail(ErrorKind::budget, "expert cache: " + std::to_string(slots) + " slots of " + std::to_string(slot) + " bytes overflow memory");
+        if (c.num_hidden_layers > 65535 || c.num_experts > 65535)
+            fail(ErrorKind::usage, "expert cache: the trace stores layer and expert ids in 16 bits, but the model has " +
+                                       std::to_string(c.num_hidden_layers) + " layers and " + std::to_string(c.num_experts) +
+                                       " experts (K3: 93 and 896)");
+        return slot;
+    }
+
     ExpertStore store_;
+    std::size_t slot_bytes_;
     SlotTable table_;
     ExpertCacheOptions options_;
-    std::size_t slot_bytes_;
     AlignedBuffer arena_;                   // (slots, slot_bytes)
     std::vector<ExpertWeights> weights_;    // (slots) the six tensors inside each slot
     Trace trace_;
@@ -606,7 +626,7 @@ inline Trace read_trace(const std::string& path) {
         bad("truncated or padded: the header promises " + std::to_string(n) + " records (" +
             (n > UINT64_MAX / 16 ? std::string("too many") : std::to_string(kTraceHeaderBytes + n * kTraceRecordBytes)) +
             " bytes) but the file holds " + std::to_string(in.size()) + " bytes");
-    if (t.k == 0 || t.k > t.experts || t.layers > 65536 || t.experts > 65536)
+    if (t.k == 0 || t.k > t.experts || t.layers > 65535 || t.experts > 65535)
         bad("header fields out of range: layers " + std::to_string(t.layers) + ", experts " + std::to_string(t.experts) + ", k " +
             std::to_string(t.k));
     t.requests.resize(std::size_t(n));
@@ -708,7 +728,7 @@ inline void print_simulation(std::FILE* out, const Trace& t, const std::vector<S
     std::fprintf(out, "\n");
     for (const SimResult& r : results) {
         const double per_step = t.steps ? double(r.stats.bytes_read) / double(t.steps) : 0.0;
-        std::fprintf(out, "  %6zu %10s  %-7s %6.1f %10.1f %10llu %12s", r.slots, human_bytes(double(r.slots * t.expert_bytes)).c_str(),
+        std::fprintf(out, "  %6zu %10s  %-7s %6.1f %10.1f %10llu %12s", r.slots, human_bytes(double(r.slots * expert_slot_bound(t.expert_bytes))).c_str(),
                      policy_name(r.policy), percent(r.stats.hits, r.stats.requests), percent(r.stats.retained, r.stats.requests),
                      (unsigned long long)r.stats.evictions, human_bytes(per_step).c_str());
         if (disk_mbps > 0) std::fprintf(out, "  %10.4g", per_step / (disk_mbps * 1e6));

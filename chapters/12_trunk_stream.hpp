@@ -130,7 +130,7 @@ inline std::uint64_t preset_bytes(const std::string& name) {
 struct PlanOptions {
     std::uint64_t context = 4096;            // MLA cache capacity in positions
     std::uint64_t chunk_bytes = 0;           // 0: chosen by the planner
-    int ring_slots = 0;                      // 0: chosen by the planner (2, or 3 when it fits)
+    int ring_slots = 0;                      // 0: chosen by the planner (3)
     std::size_t expert_slots = 0;            // 0: chosen by the planner
     std::uint64_t overhead_bytes = 0;        // process baseline (binary, libraries, headers); 0: estimated
 };
@@ -198,8 +198,8 @@ inline std::string plan_error_floor(const Plan& p) {
 }
 
 // Decides the plan. Order of priorities, each justified by prior-art measurements: (1) the floor: carried
-// state, latent KV cache, small tensors, work buffers, two ring slots, two expert slots; (2) a third
-// ring slot and bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
+// state, latent KV cache, small tensors, work buffers, three ring slots (two reads in flight while the
+// consumer holds a third), two expert slots; (2) bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
 // byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert
 // cache); (4) expert cache slots (the cache retained nothing below ~36 GB on K3, so it comes after the
 // trunk); (5) the embedding table (resident, it saves one row read per token: the least per byte).
@@ -634,6 +634,7 @@ inline TrunkLayout pack_trunk(const ModelTensors& m, const std::string& out_dir,
     const std::string tmp = bin + ".tmp";
     Fd out(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (out.get() < 0) fail(ErrorKind::runtime, tmp + ": cannot create: " + errno_text(errno));
+    RemoveUnlessKept cleanup(tmp);  // a failed pack leaves no multi-GB trunk.bin.tmp behind
     if (::ftruncate(out.get(), off_t(t.file_bytes)) != 0) fail(ErrorKind::runtime, tmp + ": cannot size the file: " + errno_text(errno));
     AlignedBuffer buf(std::size_t(64) << 20);
     std::uint64_t done = 0;
@@ -657,6 +658,9 @@ inline TrunkLayout pack_trunk(const ModelTensors& m, const std::string& out_dir,
         L.hash = h;
     }
     if (::fsync(out.get()) != 0) fail(ErrorKind::runtime, tmp + ": could not be flushed to disk: " + errno_text(errno));
+    // drop the written pages from the page cache, so the verification reads the disk, not memory (advice:
+    // a kernel may keep some; then this verifies less, never wrongly)
+    ::posix_fadvise(out.get(), 0, 0, POSIX_FADV_DONTNEED);
     done = 0;
     for (std::size_t l = 0; l < t.layers.size(); ++l) {  // verify: read back what was written
         const TrunkLayer& L = t.layers[l];
@@ -673,6 +677,7 @@ inline TrunkLayout pack_trunk(const ModelTensors& m, const std::string& out_dir,
     }
     out.reset();
     if (std::rename(tmp.c_str(), bin.c_str()) != 0) fail(ErrorKind::runtime, bin + ": rename failed: " + errno_text(errno));
+    cleanup.keep();
     nlohmann::ordered_json j;
     j["format"] = "kimik3-trunk";
     j["version"] = 1;
@@ -732,8 +737,10 @@ inline TrunkLayout load_trunk(const std::string& dir, const ModelTensors& m) {
             const std::string& name = r->info->name;
             if (!L["tensors"].contains(name)) bad("layer " + std::to_string(l) + " has no tensor '" + name + "'");
             const auto& e = L["tensors"][name];
-            if (e.value("nbytes", std::uint64_t(0)) != r->info->nbytes() || e.value("dtype", "") != dtype_name(r->info->dtype))
-                bad("tensor '" + name + "' differs from the checkpoint's (size or dtype): the trunk was packed from another model");
+            std::vector<std::int64_t> want_shape(r->info->shape.dims.begin(), r->info->shape.dims.begin() + r->info->shape.rank);
+            const bool same_shape = e.contains("shape") && e["shape"].is_array() && e["shape"] == nlohmann::json(want_shape);
+            if (e.value("nbytes", std::uint64_t(0)) != r->info->nbytes() || e.value("dtype", "") != dtype_name(r->info->dtype) || !same_shape)
+                bad("tensor '" + name + "' differs from the checkpoint's (size, dtype or shape): the trunk was packed from another model");
             const std::uint64_t off = e.value("off", std::uint64_t(0));
             if (off + r->info->nbytes() > tl.nbytes) bad("tensor '" + name + "' runs past its layer");
             t.tensor_off[name] = tl.file_off + off;
@@ -826,6 +833,10 @@ class TrunkWeights {
         if (!plan.lm_head_pinned) add_stream(m.lm_head);
     }
     ~TrunkWeights() {
+        // the ring's reader threads may still be reading ahead through these descriptors: stop and join
+        // them first (the streams hold references to the ring), then close
+        streams_.clear();
+        ring_.reset();
         for (auto& [path, s] : sources_)
             if (s.direct_fd >= 0) ::close(s.direct_fd);
     }

@@ -422,7 +422,8 @@ inline bool base64_decode(std::string_view in, std::string& out) {
         for (int i = 0; i < 64; ++i) v[std::uint8_t(abc[i])] = std::int8_t(i);
         return v;
     }();
-    if (in.size() % 4 != 0) return false;  // (empty decodes to empty; the loader refuses empty tokens)
+    if (in.size() % 4 != 0) return false;
+    if (in.empty()) return true;  // empty decodes to empty (the loader refuses empty tokens)
     const std::size_t pad = in.back() != '=' ? 0 : in[in.size() - 2] == '=' ? 2 : 1;
     for (std::size_t i = 0; i < in.size(); i += 4) {
         std::uint32_t quad = 0;

@@ -48,9 +48,13 @@ int main(int argc, char** argv) {
         for (const TensorInfo& t : f.tensors()) ts.push_back(&t);
         list(ts, 40);
         std::printf("\n1.5 the first tensor's first bytes, read with pread into a 4096-aligned buffer\n  ");
-        const Tensor t = f.read(ts[0]->name);
-        for (std::size_t i = 0; i < std::min<std::size_t>(16, t.info.nbytes()); ++i) std::printf("%02x ", unsigned(t.bytes.data()[i]));
-        std::printf("\n");
+        if (ts.empty()) {
+            std::printf("(the file holds no tensors)\n");
+        } else {
+            const Tensor t = f.read(ts[0]->name);
+            for (std::size_t i = 0; i < std::min<std::size_t>(16, t.info.nbytes()); ++i) std::printf("%02x ", unsigned(t.bytes.data()[i]));
+            std::printf("\n");
+        }
     } catch (const Error& e) {
         std::fprintf(stderr, "error: %s\n", e.what());
         return 2;

@@ -17,13 +17,13 @@ int main() {
     std::printf("  %10s %12s %12s\n", "a", "SiLU", "SiTU gate");
     for (float a : {-8.0f, -2.0f, -0.5f, 0.1f, 0.5f, 2.0f, 4.0f, 8.0f, 20.0f, 1000.0f})
         std::printf("  %10.2f %12.5f %12.5f\n", double(a), double(silu(a)), double(situ_gate(a, s)));
-    std::printf("  (small a: the same; large a: SiLU grows without bound, SiTU stops below 4)\n");
+    std::printf("  (small a: the same; large a: SiLU grows without bound, SiTU never passes 4)\n");
     std::printf("\n6.1 the up branch: b vs 25 tanh(b/25), and whole units h = gate * up\n");
     std::printf("  %10s %10s %12s %14s %14s\n", "a", "b", "25tanh(b/25)", "SwiGLU", "SiTU-GLU");
     for (auto [a, b] : {std::pair{0.5f, 1.0f}, {2.0f, 10.0f}, {8.0f, 30.0f}, {30.0f, 100.0f}, {1000.0f, 1000.0f}})
         std::printf("  %10.1f %10.1f %12.4f %14.4f %14.4f\n", double(a), double(b), double(situ_up(b, s)), double(swiglu(a, b)),
                     double(situ_gate(a, s) * situ_up(b, s)));
-    std::printf("  (|h| < 4 x 25 = 100 whatever the inputs)\n");
+    std::printf("  (|h| <= 4 x 25 = 100 whatever the inputs)\n");
 
     std::printf("\n6.3 one routed expert of the tiny K3 (layer 1, expert 0), straight from its MXFP4 bytes\n");
     try {

@@ -21,7 +21,6 @@ int main() {
     std::printf("  read back with q = e0: o[0..4] = %g %g %g %g %g\n", double(o[0]), double(o[1]), double(o[2]), double(o[3]), double(o[4]));
     std::printf("\n7.3 then four tokens with beta = 0: the state only decays, by alpha of each KEY channel\n");
     for (std::size_t i = 0; i < Dh; ++i) alpha[i] = 1.0f - 0.05f * float(i);  // key channel i keeps 1 - 0.05 i per token
-    const float k0 = alpha[0];
     alpha[0] = 0.5f;  // key channel 0 (where v was written) halves each token
     beta[0] = 0.0f;
     std::printf("  step  S^T[j=3][key 0]   S^T[j=15][key 0]   o[3] (q = e0)\n");
@@ -29,7 +28,8 @@ int main() {
         kda_recurrence_ref(o.data(), S.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
         std::printf("  %4d  %16.5f  %17.5f  %13.5f\n", t, double(S[3 * Dh]), double(S[15 * Dh]), double(o[3]));
     }
-    std::printf("  (each step multiplies key channel 0 by alpha_0 = 0.5; another key channel would keep %.2f)\n", double(k0));
+    std::printf("  (each step multiplies key channel 0 by alpha_0 = 0.5; key channel 3 would keep %.2f, channel 15 %.2f)\n",
+                double(alpha[3]), double(alpha[15]));
 
     std::printf("\n7.5 the tiny K3's layer 1 on the reference's inputs: prefill 7 tokens, decode 3\n");
     try {

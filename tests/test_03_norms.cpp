@@ -49,8 +49,9 @@ TEST_CASE("3.2 l2norm: a zero head gives zeros, not NaN (eps inside the root); q
     std::vector<float> zero(32, 0.0f), y(32, 7.0f);
     l2norm(y.data(), zero.data(), 32, 1.0f);
     for (float v : y) CHECK(v == 0.0f);
-    // Worked by hand: x = (3, 4, 0, ...): sum of squares 25, sqrt(25 + 1e-6) rounds to 5 in f32 (the
-    // 1e-6 is below half an ulp of 25), so c = 1/5 * scale, and y = (0.6, 0.8) times the scale.
+    // Worked by hand: x = (3, 4, 0, ...): sum of squares 25; 25 + 1e-6 rounds to 25 + 2^-19 in f32 (half
+    // an ulp of 25 is 9.5e-7), and its square root rounds back to exactly 5, so c = 1/5 * scale, and
+    // y = (0.6, 0.8) times the scale.
     std::vector<float> x(32, 0.0f);
     x[0] = 3.0f;
     x[1] = 4.0f;

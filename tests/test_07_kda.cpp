@@ -190,4 +190,13 @@ TEST_CASE("7.1 the carried state copies, resets, saves and loads; loading anothe
     std::stringstream buf2;
     fork.save(buf2);
     CHECK_THROWS_WITH_AS(wrong.load(buf2), "KDA state: saved for 4 heads x 32, conv 4; this layer has 4 x 16, conv 4", Error);
+    std::stringstream empty;
+    CHECK_THROWS_WITH_AS(loaded.load(empty), "KDA state: the saved state is truncated (no header)", Error);
+    // a state of another shape is refused before kda_forward reads or writes anything
+    const std::vector<float> before = wrong.S;
+    CHECK_THROWS_WITH_AS(kda_forward(y.data(), u.data(), 1, w, d, wrong), "kda_forward: the state is for 4 heads x 16, conv 4; the layer has 4 x 32, conv 4", Error);
+    CHECK_BITS_EQ(wrong.S, before);
+    KdaWeights bad = w;
+    bad.o_proj.cols = 64;
+    CHECK_THROWS_WITH_AS(kda_forward(y.data(), u.data(), 1, bad, d, st), "kda_forward: o_proj is [128, 64], the dims want [128, 128]", Error);
 }

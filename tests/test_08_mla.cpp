@@ -102,8 +102,7 @@ TEST_CASE("8.1 MlaDims from the release config: K3's sizes, a 192^-1/2 scale, an
     CHECK(d.scale() == 1.0f / std::sqrt(192.0f));  // trap 5.1.2: the 64 shared dims count
     CHECK(d.scale() != 1.0f / std::sqrt(128.0f));
     CHECK(d.eps == 1e-6f);                          // trap 5.1.9: the class default, not rms_norm_eps
-    CHECK(c.rms_norm_eps == 1e-5f);
-    CHECK(MlaDims::from(test::Tiny().config).eps == 1e-6f);
+    CHECK(c.rms_norm_eps == 1e-5f);  // so the check above would catch MlaDims reading rms_norm_eps
 }
 
 TEST_CASE("8.1 trap 5.1.9: eps 1e-5 (rms_norm_eps) in the low-rank norms misses the reference by more than 3e-6, outside the 2e-6 tolerance") {
@@ -213,7 +212,6 @@ TEST_CASE("8.3 the transposed product worked by hand (2 x 16)") {
 
 TEST_CASE("8.3 matvec_t_bf16_simd is bit-identical to the reference; rows fed in chunks give the same bits") {
     test::Rng rng(83);
-    int cases = 0;
     for (std::size_t rows : {1u, 3u, 16u, 33u, 128u})
         for (std::size_t cols : {16u, 32u, 48u, 64u, 80u, 512u}) {
             auto w = rng.bf16s(rows * cols, -2.0f, 2.0f);
@@ -232,9 +230,7 @@ TEST_CASE("8.3 matvec_t_bf16_simd is bit-identical to the reference; rows fed in
             CAPTURE(cols);
             CHECK_BITS_EQ(b, a);
             CHECK_BITS_EQ(c, a);
-            ++cases;
         }
-    CHECK(cases == 30);
 }
 
 TEST_CASE("8.3 matvec_t_f32_simd (the weighted sum over cached positions) is bit-identical to the reference") {

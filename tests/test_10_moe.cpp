@@ -24,11 +24,29 @@ TEST_CASE("10.1 planted ties go to the lower expert id, in selection and in slot
     const float bias[8] = {};
     const Routing r = route(logits, bias, 1, 8, 2, 1.0f, 0);
     CHECK(r.ids == std::vector<int>{2, 5});
-    // A tie created by the bias from different scores: expert 0 (score s0 + 0.25) vs 4 (s4 + 0): with
-    // logits chosen so that both biased sums are exactly 0.75 the lower id, 0, wins.
-    float l2[8] = {0, -9, -9, -9, 0, -9, -9, -9};  // sigmoid(0) = 0.5
-    const float b2[8] = {0.25f, 0, 0, 0, 0.25f, 0, 0, 0};
+    // A tie the bias makes from different scores: sigmoid(0) = 0.5 and sigmoid(100) = 1 exactly in f32,
+    // so 0.5 + 0.25 and 1 - 0.25 are both exactly 0.75; the lower id wins whichever score is higher,
+    // and the weights use the unbiased scores (0.5 and 1, renormalised).
+    float l2[8] = {0, -9, -9, -9, 100, -9, -9, -9};
+    const float b2[8] = {0.25f, 0, 0, 0, -0.25f, 0, 0, 0};
     CHECK(route(l2, b2, 1, 8, 1, 1.0f, 0).ids == std::vector<int>{0});
+    const Routing both = route(l2, b2, 1, 8, 2, 1.0f, 0);
+    CHECK(both.ids == std::vector<int>{0, 4});
+    CHECK(both.weights[0] == 0.5f / (1.5f + 1e-20f));
+    CHECK(both.weights[1] == 1.0f / (1.5f + 1e-20f));
+    float l3[8] = {-9, 100, -9, -9, 0, -9, -9, -9};  // the same tie with the scores swapped between ids
+    const float b3[8] = {0, -0.25f, 0, 0, 0.25f, 0, 0, 0};
+    CHECK(route(l3, b3, 1, 8, 1, 1.0f, 0).ids == std::vector<int>{1});
+}
+
+TEST_CASE("10.1 route refuses a k it cannot select and a NaN bias, naming the layer") {
+    const float logits[4] = {0, 0, 0, 0};
+    const float bias[4] = {0, 0, 0, 0}, nan_bias[4] = {0, 0, NAN, 0};
+    CHECK_THROWS_WITH_AS(route(logits, bias, 1, 4, 5, 1.0f, 3),
+                         "layer 3: top-k of 5 from 4 experts (k must be 1..64 and at most the expert count)", Error);
+    CHECK_THROWS_WITH_AS(route(logits, bias, 1, 4, 0, 1.0f, 3),
+                         "layer 3: top-k of 0 from 4 experts (k must be 1..64 and at most the expert count)", Error);
+    CHECK_THROWS_WITH_AS(route(logits, nan_bias, 1, 4, 2, 1.0f, 3), "layer 3: e_score_correction_bias of expert 2 is NaN", Error);
 }
 
 TEST_CASE("10.1 a NaN router logit is an error naming the layer, expert and token") {

@@ -404,7 +404,7 @@ TEST_CASE("11.3 an expert of the current batch is never the victim, even one the
     CHECK(cache.stats().evictions == 2);
 }
 
-TEST_CASE("11.4 a failed read leaves no slot of its batch resident, and the next fetch reads again") {
+TEST_CASE("11.4 a failed read leaves none of its batch's misses resident, and the next fetch reads again") {
     Synthetic s;
     ExpertCache cache(s.m, s.config, 4, ExpertCacheOptions{true, 2, PolicyKind::lru});
     ExpertWeights got[2];
@@ -548,7 +548,7 @@ TEST_CASE("11.5 a bad trace file is refused with what is wrong: magic, version, 
     s = good, s[48] = 1, s[56] = 0;  // steps 1 then 0
     check("order", s, {"record 1 (step 0, layer 1, expert 3)", "out of step order"});
     expect_error([&] { read_trace(dir.file("missing.k3trace")); }, ErrorKind::format, {"missing.k3trace", "cannot open"});
-    expect_error([&] { write_trace(dir.file("no/such/dir.k3trace"), t); }, ErrorKind::runtime, {"no/such/dir.k3trace.tmp", "write failed"});
+    expect_error([&] { write_trace(dir.file("no/such/dir.k3trace"), t); }, ErrorKind::runtime, {"no/such/dir.k3trace.tmp", "cannot create", "No such file or directory"});
 }
 
 TEST_CASE("11.5 the committed trace fixture equals a fresh recording (a regression pin made by our own C++)") {
@@ -642,7 +642,8 @@ TEST_CASE("11.6 the table and the SVG plot") {
     INFO(table);
     CHECK(table.find("compulsory misses: 3 distinct experts, so no policy at any size hits more than 57.1%") != std::string::npos);
     // Belady at 2 slots: 3 of 7 hits, 4 misses x 1 MB over 7 steps = 571 kB per step, 0.571 ms at 1000 MB/s (%.4g seconds)
-    CHECK(table.find("      2    2.00 MB  Belady    42.9       42.9          2    571.43 kB   0.0005714") != std::string::npos);
+    // (memory: 2 slots of 1,000,000 bytes widened to pages, 1,007,616 bytes each, as the cache allocates them)
+    CHECK(table.find("      2    2.02 MB  Belady    42.9       42.9          2    571.43 kB   0.0005714") != std::string::npos);
     const std::string svg = simulation_svg(t, r, "tiny <trace>");
     CHECK(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
     CHECK(svg.find("tiny &lt;trace&gt;") != std::string::npos);
