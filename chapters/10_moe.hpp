@@ -28,8 +28,9 @@
 //   Top-k: b descending, ties to the LOWER expert id; a NaN logit is an error (never a silent order).
 //   denom = 16-lane sum of s over the k slots in slot order (hsum16); w = (s / (denom + 1e-20)) * factor.
 //   y_lat[j] = sum over slots in slot order of w * expert_out[j], starting from +0: never split or
-//   reordered by threads. Experts are computed in groups that fit the provider, each over all the
-//   tokens that chose it (chapter 06: T tokens at once = one at a time, bit for bit).
+//   reordered by threads. Experts are computed in groups that fit the provider (the next group may be
+//   read meanwhile), each over all the tokens that chose it (chapter 06: T tokens at once = one at a
+//   time, bit for bit).
 //   Then rmsnorm (eps = rms_norm_eps) and the up-projection; y = y_routed + y_shared (one rounding).
 //
 // USES     chapters 00, 02 (Config), 03 (rmsnorm), 04 (linear), 05, 06 (expert_ffn, dense_ffn)
@@ -131,11 +132,29 @@ struct ExpertProvider {
     // experts kept from an earlier step (retention) from experts fetched within this one.
     virtual void begin_step() {}
 
+    // Read-ahead (optional). A provider that reads ahead accepts prefetch(layer, ids): the group the
+    // NEXT fetch will ask for, already chosen by the router (nothing speculative). It starts reading
+    // them into room the current group does not occupy and returns at once; the current group's weights
+    // stay valid, the next fetch(layer, ids) waits for the reads. moe_forward then computes one group
+    // while the next is read. Like grouping, it changes where and when weights arrive, never a bit.
+    virtual bool reads_ahead() const { return false; }
+    virtual void prefetch(int layer, std::span<const int> ids) { (void)layer; (void)ids; }
+
     // Kept by moe_forward: how many (token, slot) expert uses it served, and how many distinct experts
     // it asked for to serve them. With T tokens per step, an expert chosen by several tokens is fetched
     // once: uses - requested is what a prompt processed in chunks saves over token by token.
     std::uint64_t slot_uses = 0, experts_requested = 0;
 };
+
+// How many experts moe_forward asks for at once, of `unique` distinct ones. When they all fit, one
+// group: every hit is found before any miss takes a slot. When they do not, a provider that reads ahead
+// gets half its capacity per group (the other half takes the next group, read while this one computes);
+// any other provider gets its whole capacity.
+inline std::size_t expert_group_size(std::size_t capacity, bool reads_ahead, std::size_t unique) {
+    capacity = std::max<std::size_t>(capacity, 1);
+    if (unique <= capacity || !reads_ahead || capacity < 2) return capacity;
+    return capacity / 2;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // 10.3 The MoE layer (spec 3.6, steps 1-9)
@@ -184,7 +203,8 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
     // 4: the latent down-projection
     std::vector<float> z(T * L);  // (T, L)
     linear(z.data(), x, T, w.latent_down);
-    // 5: experts, in groups the provider can hold; each expert runs once over every token that chose it
+    // 5: experts, in groups the provider can hold; each expert runs once over every token that chose it.
+    //    With a provider that reads ahead, group g + 1 is being read while group g computes.
     std::map<int, std::vector<std::size_t>> users;  // expert id -> (t * K + slot), in token order
     for (std::size_t i = 0; i < T * K; ++i) users[r.ids[i]].push_back(i);
     std::vector<int> unique;
@@ -192,12 +212,15 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
     provider.slot_uses += T * K;
     provider.experts_requested += unique.size();
     std::vector<float> expert_out(T * K * L);               // (T, K, L)
-    const std::size_t group = std::max<std::size_t>(1, provider.capacity());
+    const std::size_t group = expert_group_size(provider.capacity(), provider.reads_ahead(), unique.size());
+    const bool ahead = provider.reads_ahead() && 2 * group <= provider.capacity();  // room for two groups
     std::vector<ExpertWeights> got(group);
     std::vector<float> zin, zout;
     for (std::size_t g0 = 0; g0 < unique.size(); g0 += group) {
         const std::size_t n = std::min(group, unique.size() - g0);
         provider.fetch(d.layer, std::span<const int>(unique.data() + g0, n), got.data());
+        if (const std::size_t g1 = g0 + n; ahead && g1 < unique.size())
+            provider.prefetch(d.layer, std::span<const int>(unique.data() + g1, std::min(group, unique.size() - g1)));
         for (std::size_t j = 0; j < n; ++j) {
             const std::vector<std::size_t>& u = users[unique[g0 + j]];
             zin.resize(u.size() * L);

@@ -7,8 +7,9 @@
 //   back. This chapter builds that: an expert store (one aligned O_DIRECT read per expert), a cache of
 //   whole-expert slots behind a small eviction-policy interface, a trace of every request, and a
 //   simulator that replays a trace under LRU, LFU and Belady's optimum at any size. New since chapter
-//   10: I/O inside the engine (direct I/O, alignment, parallel reads, failures that must never become
-//   weights), and measuring a cache honestly (retention across steps, not raw hits).
+//   10: I/O inside the engine (direct I/O, alignment, parallel reads, reading the next group while this
+//   one computes, failures that must never become weights), and measuring a cache honestly (retention
+//   across steps, not raw hits).
 //
 // WHERE THIS SITS IN KIMI K3 (spec 2.2, 3.6; prior-art section 1)
 //   One expert = six U8 tensors stored back to back: 3 x (5,505,024 + 344,064) = 17,547,264 bytes
@@ -52,7 +53,8 @@
 //      24     4    k, experts per token (16)
 //
 // CONTRACT
-//   * An expert is read when requested and not resident, never ahead. A contiguous expert (the release)
+//   * An expert is read when requested and not resident, never speculatively: read-ahead (prefetch)
+//     only reads the next group of experts the router has already chosen. A contiguous expert (the release)
 //     is one read of its widened span; a scattered one, one read per part. Every read goes through
 //     chapter 01's detail::pread_hook. O_DIRECT per shard unless refused (open or read fails with
 //     EINVAL: that shard is read buffered from then on, same bytes, same slot layout).
@@ -64,14 +66,19 @@
 //   * fetch(layer, ids): hits first, then misses in request order into the lowest empty slot or the
 //     policy's victim; a slot holding an expert of this batch is never the victim (so ids.size() <=
 //     slots always fits). Misses are read in parallel (`readers` threads) in (shard path, offset) order.
+//   * prefetch(layer, ids) admits the next group at once, exactly as its fetch would, except that the
+//     current group's slots are busy (never victims), and reads its misses on a background thread
+//     while the caller computes; the fetch of that group waits for them and throws their failures.
+//     The simulator (11.6) replays the same groups with the same busy slots.
 //   * Statistics (requests, hits, retained, misses, evictions, bytes_read) depend only on the requests
-//     and the slot count, never on timing or threads; disk_bytes (widening) and read_seconds may vary.
+//     and the slot count, never on timing or threads; disk_bytes (widening), read_seconds and
+//     wait_seconds (the part of the reads the caller waited for) may vary.
 //   * LRU evicts the least recently requested; LFU the fewest requests since loaded, ties to LRU; Belady
 //     the farthest next use, ties (never used again) to the lower slot. No policy or size changes a bit
 //     of the model's output: the provider only decides where weights come from.
 //
-// LEAVES OUT  prefetch (prior art measured speculative prefetch as a loss), reads overlapping compute,
-//   pinned hot experts, macOS F_NOCACHE. Chapter 12 decides how much memory the cache gets.
+// LEAVES OUT  speculative prefetch of experts the router has not chosen yet (prior art measured it as a
+//   loss), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides how much memory the cache gets.
 //
 // USES     chapters 00 (Error), 01 (Fd, AlignedBuffer, pread_exact, pread_hook), 02 (ExpertLocation,
 //          human_bytes), 05 (check_e8m0_scales), 06 (ExpertWeights), 10 (ExpertProvider)
@@ -335,6 +342,7 @@ struct CacheStats {
     std::uint64_t steps = 0;       // steps that made requests
     std::uint64_t disk_bytes = 0;  // bytes transferred (O_DIRECT widening included; cache only)
     double read_seconds = 0;       // wall time of the reads (cache only; not deterministic)
+    double wait_seconds = 0;       // time fetch kept its caller waiting: reads not hidden by a read-ahead
 };
 
 // The requests themselves, as the cache (11.4) records them; 11.5 writes and reads them.
@@ -376,10 +384,14 @@ class SlotTable {
         if (in_step_) ++step_, in_step_ = false;
     }
 
-    // Admits one batch (keys.size() <= slots). out[i]: the slot of keys[i] and whether it must be read.
-    void admit(std::span<const std::uint64_t> keys, std::vector<Placement>& out) {
-        if (keys.size() > slots())
-            fail(ErrorKind::usage, std::to_string(keys.size()) + " experts at once, but the cache has " + std::to_string(slots()) + " slots");
+    // Admits one batch (keys.size() + busy.size() <= slots). out[i]: the slot of keys[i] and whether it
+    // must be read. `busy`: slots still in use by the previous group (read-ahead): never victims here.
+    void admit(std::span<const std::uint64_t> keys, std::vector<Placement>& out, std::span<const std::size_t> busy = {}) {
+        if (keys.size() + busy.size() > slots())
+            fail(ErrorKind::usage, std::to_string(keys.size()) + " experts at once" +
+                                       (busy.empty() ? std::string() : " beside " + std::to_string(busy.size()) + " in use") +
+                                       ", but the cache has " + std::to_string(slots()) + " slots");
+        for (std::size_t s : busy) eligible_[s] = 0;
         const std::uint64_t pos0 = stats_.requests;
         out.assign(keys.size(), Placement{SIZE_MAX, true});
         in_step_ = in_step_ || !keys.empty();
@@ -412,6 +424,7 @@ class SlotTable {
             out[i] = Placement{s, true};
         }
         for (const Placement& p : out) eligible_[p.slot] = key_[p.slot] != kEmpty;  // unpin
+        for (std::size_t s : busy) eligible_[s] = key_[s] != kEmpty;
     }
 
     // The read into `slot` failed: it holds nothing valid, so it becomes empty again.
@@ -445,7 +458,7 @@ class SlotTable {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// 11.4 The cache: an arena of slots, batch fetches with parallel reads, an ExpertProvider
+// 11.4 The cache: an arena of slots, batch fetches with parallel reads, read-ahead, an ExpertProvider
 // ---------------------------------------------------------------------------------------------------
 struct ExpertCacheOptions {
     bool direct = true;                   // O_DIRECT reads (each shard falls back to buffered if refused)
@@ -481,63 +494,138 @@ class ExpertCache : public ExpertProvider {
     const Trace& trace() const { return trace_; }
     const ExpertStore& store() const { return store_; }
     bool resident(int layer, int e) const { return table_.resident(expert_key(layer, e)); }
-    void begin_step() override { table_.begin_step(); }
+    void begin_step() override {
+        finish_ahead();  // a read-ahead nobody fetched (an exception in between): keep what it read
+        table_.begin_step();
+    }
+    ~ExpertCache() override { finish_ahead(); }  // a read in flight writes into arena_: wait for it
+    ExpertCache(const ExpertCache&) = delete;
+    ExpertCache& operator=(const ExpertCache&) = delete;
 
     void fetch(int layer, std::span<const int> ids, ExpertWeights* out) override {
-        if (ids.size() > table_.slots())
-            fail(ErrorKind::usage, "ExpertCache::fetch: " + std::to_string(ids.size()) + " experts at once, but the cache has " +
-                                       std::to_string(table_.slots()) + " slots");
+        const auto t0 = std::chrono::steady_clock::now();
+        if (ahead_.pending && ahead_.layer == layer && std::equal(ids.begin(), ids.end(), ahead_.ids.begin(), ahead_.ids.end())) {
+            if (ahead_.thread.joinable()) ahead_.thread.join();  // the read-ahead of exactly this group: admitted already
+            current_ = std::move(ahead_);
+            ahead_ = Batch{};
+        } else {
+            finish_ahead();
+            admit(layer, ids, {}, current_);  // the previous group is done with: its slots may be taken
+            read_batch(current_);
+        }
+        table_.stats().wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        settle(current_, true);
+        for (std::size_t i = 0; i < ids.size(); ++i) out[i] = weights_[current_.placed[i].slot];
+    }
+
+    bool reads_ahead() const override { return true; }
+
+    // Admits `ids` now, exactly as the next fetch would (same trace, counts and victims, except that
+    // the current group's slots are busy), and reads the misses on a background thread. The matching
+    // fetch waits for them and reports their failures.
+    void prefetch(int layer, std::span<const int> ids) override {
+        finish_ahead();
+        std::vector<std::size_t> busy;
+        for (const SlotTable::Placement& p : current_.placed) busy.push_back(p.slot);
+        admit(layer, ids, busy, ahead_);
+        ahead_.pending = true;
+        if (!ahead_.misses.empty()) ahead_.thread = std::thread([this] { read_batch(ahead_); });
+    }
+
+  private:
+    // One group: its ids, where they went, which must be read (in disk order), and how the reads went.
+    struct Batch {
+        int layer = 0;
+        std::vector<int> ids;
+        std::vector<SlotTable::Placement> placed;
+        std::vector<std::size_t> misses;        // indices into ids, in (shard path, offset) order
+        std::vector<std::exception_ptr> errors;  // per miss
+        std::uint64_t disk_bytes = 0;
+        double read_seconds = 0;
+        std::thread thread;                     // a read-ahead's reads in flight
+        bool pending = false;                   // a read-ahead no fetch has collected yet
+        bool settled = true;                    // its counts merged and its failures handled
+    };
+
+    void admit(int layer, std::span<const int> ids, std::span<const std::size_t> busy, Batch& b) {
+        if (ids.size() + busy.size() > table_.slots())
+            fail(ErrorKind::usage, "ExpertCache::fetch: " + std::to_string(ids.size()) + " experts at once" +
+                                       (busy.empty() ? std::string() : " beside " + std::to_string(busy.size()) + " in use") +
+                                       ", but the cache has " + std::to_string(table_.slots()) + " slots");
         keys_.clear();
         for (int id : ids) {
             store_.location(layer, id);  // refuses a dense layer or a bad id before anything changes
             keys_.push_back(expert_key(layer, id));
         }
+        b.layer = layer;
+        b.ids.assign(ids.begin(), ids.end());
         for (int id : ids) trace_.requests.push_back({table_.step(), std::uint16_t(layer), std::uint16_t(id)});
-        table_.admit(keys_, placed_);
+        table_.admit(keys_, b.placed, busy);
         trace_.steps = std::uint32_t(table_.stats().steps);
-        misses_.clear();
+        b.misses.clear();
         for (std::size_t i = 0; i < ids.size(); ++i)
-            if (placed_[i].load) misses_.push_back(i);
-        std::sort(misses_.begin(), misses_.end(),
-                  [&](std::size_t a, std::size_t b) { return store_.disk_order(layer, ids[a]) < store_.disk_order(layer, ids[b]); });
-        read_misses(layer, ids);
-        for (std::size_t i = 0; i < ids.size(); ++i) out[i] = weights_[placed_[i].slot];
+            if (b.placed[i].load) b.misses.push_back(i);
+        std::sort(b.misses.begin(), b.misses.end(),
+                  [&](std::size_t x, std::size_t y) { return store_.disk_order(layer, b.ids[x]) < store_.disk_order(layer, b.ids[y]); });
+        b.errors.assign(b.misses.size(), nullptr);
+        b.disk_bytes = 0;
+        b.read_seconds = 0;
+        b.settled = false;
     }
 
-  private:
-    // Reads this batch's misses with up to `readers` threads, each taking the next miss in disk order.
-    // Any failure empties every slot of the batch's misses (no half-trusted data), then rethrows the
-    // first failure in disk order, whatever thread saw it first.
-    void read_misses(int layer, std::span<const int> ids) {
-        const std::size_t n = misses_.size();
+    // Reads a batch's misses with up to `readers` threads, each taking the next miss in disk order.
+    // Touches only the batch and its slots (never the table), so it may run on a background thread.
+    void read_batch(Batch& b) noexcept {
+        const std::size_t n = b.misses.size();
         if (n == 0) return;
-        std::vector<std::exception_ptr> errors(n);
         std::vector<std::uint64_t> disk(n, 0);
         std::atomic<std::size_t> next{0};
         auto work = [&] {
             for (std::size_t j; (j = next.fetch_add(1)) < n;) {
-                const std::size_t slot = placed_[misses_[j]].slot;
+                const std::size_t slot = b.placed[b.misses[j]].slot;
                 try {
-                    weights_[slot] = store_.read(layer, ids[misses_[j]], arena_.data() + slot * slot_bytes_, &disk[j]);
+                    weights_[slot] = store_.read(b.layer, b.ids[b.misses[j]], arena_.data() + slot * slot_bytes_, &disk[j]);
                 } catch (...) {
-                    errors[j] = std::current_exception();
+                    b.errors[j] = std::current_exception();
                 }
             }
         };
         const auto t0 = std::chrono::steady_clock::now();
         std::vector<std::thread> pool;
         const std::size_t threads = std::min<std::size_t>(n, std::size_t(std::max(1, options_.readers)));
-        for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+        try {
+            for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+        } catch (...) {  // no thread to spare: the readers that started, and this one, do the rest
+        }
         work();  // this thread is a reader too
         for (std::thread& th : pool) th.join();
+        b.read_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        for (std::uint64_t x : disk) b.disk_bytes += x;
+    }
+
+    // Merges a finished batch's counts. Any failure empties every slot of the batch's misses (no
+    // half-trusted data); `rethrow`: then throws the first failure in disk order, whatever thread saw it.
+    void settle(Batch& b, bool rethrow) {
+        if (b.settled) return;
+        b.settled = true;
         CacheStats& s = table_.stats();
-        s.read_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        for (std::uint64_t b : disk) s.disk_bytes += b;
-        for (const std::exception_ptr& e : errors)
+        s.read_seconds += b.read_seconds;
+        s.disk_bytes += b.disk_bytes;
+        for (const std::exception_ptr& e : b.errors)
             if (e) {
-                for (std::size_t i : misses_) table_.forget(placed_[i].slot);
-                std::rethrow_exception(e);
+                for (std::size_t i : b.misses) table_.forget(b.placed[i].slot);
+                b.placed.clear();  // nothing of this batch is in use any more
+                if (rethrow) std::rethrow_exception(e);
+                return;
             }
+    }
+
+    // Waits for a read-ahead that no fetch will collect, keeping what it read (a failure is dropped with
+    // its slots: whoever asks for those experts reads them again).
+    void finish_ahead() {
+        if (ahead_.thread.joinable()) ahead_.thread.join();
+        settle(ahead_, false);
+        ahead_.pending = false;
     }
 
     // Checked before anything is sized by `slots`: a count that overflows memory, or ids the trace's
@@ -560,9 +648,9 @@ class ExpertCache : public ExpertProvider {
     AlignedBuffer arena_;                   // (slots, slot_bytes)
     std::vector<ExpertWeights> weights_;    // (slots) the six tensors inside each slot
     Trace trace_;
-    std::vector<std::uint64_t> keys_;       // scratch of one fetch
-    std::vector<SlotTable::Placement> placed_;
-    std::vector<std::size_t> misses_;
+    std::vector<std::uint64_t> keys_;       // scratch of one admission
+    Batch current_;                         // the group the last fetch returned (its slots are busy)
+    Batch ahead_;                           // the group being read ahead, if any
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -673,20 +761,27 @@ inline std::vector<std::uint64_t> next_uses(const Trace& t) {
 }
 
 // Replays `t` as moe_forward would have asked a cache of `slots` slots: per (step, layer) run of
-// requests, batches of at most `slots` in trace order, begin_step() where the step changes.
+// requests, groups of expert_group_size(slots, reads ahead, run length) in trace order, each admitted
+// with the previous group of its run busy (read-ahead), begin_step() where the step changes.
 inline CacheStats replay_trace(const Trace& t, std::size_t slots, PolicyKind kind, const std::vector<std::uint64_t>* next_use = nullptr) {
     std::vector<std::uint64_t> own;
     if (kind == PolicyKind::belady && !next_use) own = next_uses(t), next_use = &own;
     SlotTable table(slots, make_policy(kind, slots, next_use), t.expert_bytes);
     std::vector<std::uint64_t> keys;
     std::vector<SlotTable::Placement> placed;
+    std::vector<std::size_t> busy;
     for (std::size_t i = 0, j; i < t.requests.size(); i = j) {
         if (i > 0 && t.requests[i].step != t.requests[i - 1].step) table.begin_step();
         for (j = i; j < t.requests.size() && t.requests[j].step == t.requests[i].step && t.requests[j].layer == t.requests[i].layer;) ++j;
-        for (std::size_t b = i; b < j; b += slots) {
+        const std::size_t group = expert_group_size(slots, true, j - i);
+        busy.clear();
+        for (std::size_t b = i; b < j; b += group) {
             keys.clear();
-            for (std::size_t r = b; r < std::min(j, b + slots); ++r) keys.push_back(expert_key(t.requests[r].layer, t.requests[r].expert));
-            table.admit(keys, placed);
+            for (std::size_t r = b; r < std::min(j, b + group); ++r) keys.push_back(expert_key(t.requests[r].layer, t.requests[r].expert));
+            table.admit(keys, placed, busy);
+            busy.clear();
+            if (2 * group <= slots)  // moe_forward reads ahead only with room for two groups
+                for (const SlotTable::Placement& p : placed) busy.push_back(p.slot);
         }
     }
     return table.stats();

@@ -320,7 +320,9 @@ inline std::string describe_plan(const Plan& p, const Config& c) {
                   p.lm_head_pinned ? " + lm_head" : "", p.embed_resident ? " + embedding" : "", human_bytes(double(p.pinned_bytes)).c_str(),
                   ring.c_str(), p.expert_slots,
                   human_bytes(double(p.expert_bytes)).c_str(),
-                  p.expert_slots > std::size_t(c.num_experts_per_token) ? " (a cache)" : " (streamed, no cache)",
+                  p.expert_slots > std::size_t(c.num_experts_per_token) ? " (a cache)"
+                  : p.expert_slots >= 2 ? " (streamed, no cache: half compute while the rest are read)"
+                                        : " (streamed, no cache)",
                   human_bytes(double(p.total())).c_str(), human_bytes(double(p.trunk_read_per_token)).c_str(),
                   human_bytes(double(p.expert_read_per_token)).c_str());
     return buf;

@@ -114,3 +114,66 @@ TEST_CASE("10.3 the MoE output has the same bits for any provider capacity, thre
         CHECK_BITS_EQ(std::span<const float>(base.data() + t * D, D), one);
     }
 }
+
+namespace {
+// ResidentExperts that reads ahead (in name): it records every call, and hands out a prefetched group's
+// weights only after checking that the fetch asks for exactly that group.
+class RecordingProvider : public ExpertProvider {
+  public:
+    RecordingProvider(const ModelTensors& m, std::size_t cap) : all_(m), cap_(cap) {}
+    std::size_t capacity() const override { return cap_; }
+    bool reads_ahead() const override { return true; }
+    void fetch(int layer, std::span<const int> ids, ExpertWeights* out) override {
+        calls.push_back("F" + list(ids));
+        if (!ahead_.empty() && ahead_ != std::vector<int>(ids.begin(), ids.end())) calls.push_back("MISMATCH");
+        ahead_.clear();
+        all_.fetch(layer, ids, out);
+    }
+    void prefetch(int, std::span<const int> ids) override {
+        calls.push_back("P" + list(ids));
+        ahead_.assign(ids.begin(), ids.end());
+    }
+    std::vector<std::string> calls;
+
+  private:
+    static std::string list(std::span<const int> ids) {
+        std::string s;
+        for (int id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+        return s;
+    }
+    ResidentExperts all_;
+    std::size_t cap_;
+    std::vector<int> ahead_;
+};
+}  // namespace
+
+TEST_CASE("10.3 when a layer's experts do not fit, a provider that reads ahead gets half its capacity per group, each next group before computing") {
+    CHECK(expert_group_size(2, true, 16) == 1);      // the floor: one computes, one reads
+    CHECK(expert_group_size(100, true, 300) == 50);  // a prefill chunk that overflows a cache
+    CHECK(expert_group_size(200, true, 16) == 200);  // they all fit: one group, all hits found first
+    CHECK(expert_group_size(1, true, 16) == 1);      // no room for two groups: no read-ahead
+    CHECK(expert_group_size(5, false, 16) == 5);     // a provider that does not read ahead: its whole capacity
+    test::Tiny tiny;
+    const auto x = test::layer_reference().f32("layer.6.mlp_norm_out");
+    const std::size_t D = 128;
+    const MoeWeights w = moe_weights(tiny, 6);
+    const MoeDims d = MoeDims::from(tiny.config, 6);
+    ResidentExperts all(tiny.tensors);
+    std::vector<float> base(D), y(D);
+    moe_forward(base.data(), x.data(), 1, w, d, all, nullptr);
+    MoeRecord rec;
+    for (std::size_t cap : {1u, 2u, 3u, 4u}) {
+        CAPTURE(cap);
+        RecordingProvider p(tiny.tensors, cap);
+        moe_forward(y.data(), x.data(), 1, w, d, p, &rec);
+        CHECK_BITS_EQ(y, base);
+        std::vector<int> ids(rec.routing.ids.begin(), rec.routing.ids.end());  // 4 distinct experts, ascending
+        std::sort(ids.begin(), ids.end());
+        const std::string a = std::to_string(ids[0]), b = std::to_string(ids[1]), c = std::to_string(ids[2]), e = std::to_string(ids[3]);
+        std::vector<std::string> want;
+        if (cap == 1) want = {"F" + a, "F" + b, "F" + c, "F" + e};  // no room to read ahead
+        if (cap == 2 || cap == 3) want = {"F" + a, "P" + b, "F" + b, "P" + c, "F" + c, "P" + e, "F" + e};
+        if (cap == 4) want = {"F" + a + "," + b + "," + c + "," + e};  // all fit: one group
+        CHECK(p.calls == want);
+    }
+}

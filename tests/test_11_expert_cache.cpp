@@ -11,6 +11,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 
 #include "tiny_moe.hpp"
@@ -426,6 +428,103 @@ TEST_CASE("11.4 a failed read leaves none of its batch's misses resident, and th
     CHECK(cache.stats().misses == misses + 2);  // read again, not served from the failed slots
     CHECK(s.mismatches(got[0], 1, 2) == 0);
     CHECK(s.mismatches(got[1], 1, 3) == 0);
+}
+
+// A gate for read-ahead tests: a read covering g_fail_offset waits (in whatever thread runs it) until
+// the test opens the gate, so the test can act while that read is provably still in flight.
+std::mutex g_gate_mutex;
+std::condition_variable g_gate_cv;
+bool g_gate_open = false, g_gate_timed_out = false;
+int g_gate_waiting = 0;
+ssize_t gated_pread(int fd, void* buf, std::size_t n, off_t off) {
+    if (targeted(n, off)) {
+        std::unique_lock<std::mutex> lk(g_gate_mutex);
+        ++g_gate_waiting;
+        g_gate_cv.notify_all();
+        if (!g_gate_cv.wait_for(lk, std::chrono::seconds(20), [] { return g_gate_open; })) g_gate_timed_out = true;
+    }
+    return ::pread(fd, buf, n, off);
+}
+
+TEST_CASE("11.4 read-ahead: prefetch returns while its read is in flight, and the current group is never a victim (LFU)") {
+    // 4 slots, LFU. Experts 2 and 3 of layer 1 are requested twice (count 2), then the current group
+    // [0 1] (count 1). Read-ahead of layer 2's [0 1]: LFU's favourite victims are layer 1's 0 and 1, but
+    // they are the group being computed: the victims must be 2 and 3.
+    Synthetic s;
+    ExpertCache cache(s.m, s.config, 4, ExpertCacheOptions{true, 2, PolicyKind::lfu});
+    ExpertWeights cur[2], next[2];
+    for (int id : {2, 3, 2, 3}) {
+        cache.begin_step();
+        cache.fetch(1, std::span<const int>(&id, 1), cur);
+    }
+    const int group[2] = {0, 1};
+    cache.fetch(1, group, cur);
+    g_gate_open = g_gate_timed_out = false;
+    g_gate_waiting = 0;
+    {
+        Hook hook(gated_pread);
+        g_fail_offset = s.loc(2, 0).span_offset + 100;  // layer 2 expert 0's read waits at the gate
+        cache.prefetch(2, group);                        // must return with that read still waiting
+        {
+            std::unique_lock<std::mutex> lk(g_gate_mutex);
+            CHECK(g_gate_cv.wait_for(lk, std::chrono::seconds(20), [] { return g_gate_waiting > 0; }));
+            CHECK(!g_gate_open);  // the read is in flight on another thread while this one goes on
+        }
+        CHECK(s.mismatches(cur[0], 1, 0) == 0);  // the current group's bytes are intact meanwhile
+        CHECK(s.mismatches(cur[1], 1, 1) == 0);
+        CHECK(cache.resident(1, 0));
+        CHECK(cache.resident(1, 1));
+        CHECK(!cache.resident(1, 2));  // the victims
+        CHECK(!cache.resident(1, 3));
+        {
+            std::lock_guard<std::mutex> lk(g_gate_mutex);
+            g_gate_open = true;
+        }
+        g_gate_cv.notify_all();
+        cache.fetch(2, group, next);  // waits for the read-ahead; admits nothing again
+    }
+    CHECK(!g_gate_timed_out);
+    CHECK(s.mismatches(next[0], 2, 0) == 0);
+    CHECK(s.mismatches(next[1], 2, 1) == 0);
+    const CacheStats& t = cache.stats();
+    CHECK(t.requests == 8);
+    CHECK(t.misses == 6);
+    CHECK(t.evictions == 2);
+}
+
+TEST_CASE("11.4 a failed read-ahead throws from its group's fetch; one nobody fetches is kept and counted once") {
+    Synthetic s;
+    ExpertCache cache(s.m, s.config, 4, ExpertCacheOptions{true, 2, PolicyKind::lru});
+    ExpertWeights cur[2], next[2];
+    const int first[2] = {0, 1}, second[2] = {2, 3};
+    cache.fetch(1, first, cur);
+    for (detail::PreadFn fault : {eof_pread, eio_pread}) {
+        {
+            Hook hook(fault);
+            g_fail_offset = s.loc(1, 3).span_offset + 100;  // only expert 3's read fails
+            cache.prefetch(1, second);                       // the failure waits for its fetch
+            expect_error([&] { cache.fetch(1, second, next); }, ErrorKind::io, {"expert 3", "layer 1"});
+        }
+        CHECK(!cache.resident(1, 2));  // none of the failed batch's misses stays
+        CHECK(!cache.resident(1, 3));
+        CHECK(cache.resident(1, 0));  // the current group is untouched
+        CHECK(cache.resident(1, 1));
+        CHECK(s.mismatches(cur[0], 1, 0) == 0);
+    }
+    // A read-ahead that the next fetch does not ask for: its reads finish, its experts stay resident,
+    // and it was admitted (counted) once.
+    const std::uint64_t requests = cache.stats().requests, misses = cache.stats().misses;
+    cache.prefetch(1, second);
+    const int other = 0;
+    cache.fetch(2, std::span<const int>(&other, 1), next);
+    CHECK(cache.stats().requests == requests + 3);
+    CHECK(cache.stats().misses == misses + 3);
+    CHECK(cache.resident(1, 2));
+    CHECK(cache.resident(1, 3));
+    cache.fetch(1, second, next);  // two hits now, bytes intact
+    CHECK(cache.stats().misses == misses + 3);
+    CHECK(s.mismatches(next[0], 1, 2) == 0);
+    CHECK(s.mismatches(next[1], 1, 3) == 0);
 }
 
 TEST_CASE("11.4 every expert from the cache is bit-identical to the same expert read directly (tiny K3)") {

@@ -83,7 +83,7 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 // Bytes read so far from disk by the trunk (pieces, embedding rows) and the experts.
 struct IoSnapshot {
     std::uint64_t trunk = 0, experts = 0;
-    double trunk_wait = 0, trunk_read = 0, expert_read = 0;
+    double trunk_wait = 0, trunk_read = 0, expert_read = 0, expert_wait = 0;
     CacheStats cache;
 };
 inline IoSnapshot io_snapshot(Model& m) {
@@ -92,7 +92,7 @@ inline IoSnapshot io_snapshot(Model& m) {
     s.trunk = r.bytes + m.trunk().stats().embed_rows * std::uint64_t(m.config.hidden_size) * 2;
     s.trunk_wait = r.wait_seconds;
     s.trunk_read = r.read_seconds;
-    if (m.experts()) s.cache = m.experts()->stats(), s.experts = s.cache.bytes_read, s.expert_read = s.cache.read_seconds;
+    if (m.experts()) s.cache = m.experts()->stats(), s.experts = s.cache.bytes_read, s.expert_read = s.cache.read_seconds, s.expert_wait = s.cache.wait_seconds;
     return s;
 }
 
@@ -209,7 +209,7 @@ inline int cmd_run(std::vector<std::string> args) {
     auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens) {
         const IoSnapshot now = io_snapshot(model);
         rows.push_back({step, tokens, token, seconds_since(t_step),
-                        (now.trunk_wait - prev.trunk_wait) + (now.expert_read - prev.expert_read),
+                        (now.trunk_wait - prev.trunk_wait) + (now.expert_wait - prev.expert_wait),
                         (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
                         now.cache.requests - prev.cache.requests, model.layer_seconds, model.head_seconds});
         if (!quiet) {
@@ -261,7 +261,7 @@ inline int cmd_run(std::vector<std::string> args) {
     }
     const IoSnapshot io = io_snapshot(model);
     const std::uint64_t rss = peak_rss_bytes();
-    const double blocked = io.trunk_wait + io.expert_read;
+    const double blocked = io.trunk_wait + io.expert_wait;
     std::fprintf(stderr, "report\n  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
                  human_bytes(double(model.plan.total())).c_str());
     std::fprintf(stderr, "  wall %.3f s (load %.3f s, run %.3f s); waiting on I/O %.3f s = %.0f%% of the run\n", wall, load_seconds, run_seconds,
@@ -301,7 +301,7 @@ inline int cmd_run(std::vector<std::string> args) {
                    {"expert_evictions", io.cache.evictions},
                    {"expert_slot_uses", model.experts() ? model.experts()->slot_uses : 0},
                    {"expert_fetches_requested", model.experts() ? model.experts()->experts_requested : 0},
-                   {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}};
+                   {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}, {"expert_wait_seconds", io.expert_wait}};
         SafetensorsWriter::write_text_atomic(out_path, j.dump(2) + "\n");
     }
     return kExitOk;
