@@ -218,7 +218,7 @@ int main(int argc, char** argv) {
         auto io = [](const RunResult& r, const char* k) { return r.j["io"][k].get<double>(); };
         const double trunk_rate = med("floor", [&](const RunResult& r) { return io(r, "trunk_bytes_streamed") / std::max(io(r, "trunk_read_seconds"), 1e-9); });
         const double expert_rate = med("floor", [&](const RunResult& r) { return io(r, "expert_bytes") / std::max(io(r, "expert_read_seconds"), 1e-9); });
-        const int qd = int(std::min<std::size_t>(expert_group_size(floor_plan.expert_slots, true, std::size_t(cfg.num_experts_per_token)), 8));
+        const int qd = int(std::min<std::size_t>(expert_group_size(floor_plan.expert_slots, true, std::size_t(c.num_experts_per_token)), 8));  // reads in flight: one group
         const double plain = plain_expert_read(m, qd);
         std::printf("\nI/O at the floor\n  trunk streaming %8.0f MB/s  = %.2f of dd\n", trunk_rate / 1e6, trunk_rate / disk);
         std::printf("  expert fetches  %8.0f MB/s  = %.2f of a plain O_DIRECT read of the same experts at queue depth %d (%.0f MB/s)\n",
