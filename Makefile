@@ -9,6 +9,7 @@
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
 #   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
+#   make benches         build both benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make deps            install the three Debian header packages if a header is missing
@@ -52,7 +53,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 test test-scalar headers examples check-examples bench debug fixtures deps clean
+.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug fixtures deps clean
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
@@ -164,6 +165,9 @@ K3_SHAPED ?= build/k3-shaped
 $(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+# benches: build both benchmark programs without running them (CI: a bench that no longer compiles is caught)
+benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3
 
 bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
