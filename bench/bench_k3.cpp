@@ -9,7 +9,8 @@
 //   * the disk: a `dd iflag=direct` read of the same shard files (the bandwidth everything is compared to);
 //   * decode time per layer kind, resident and streamed (from the run's per-layer timings);
 //   * trunk streaming MB/s and expert fetch MB/s, against dd and against a plain read of the same experts
-//     at the engine's queue depth;
+//     at the engine's queue depth, and the share of expert read time the decode did not wait for
+//     (read-ahead: the next group read while this one computes);
 //   * the overlap ratio at the floor: wall time per token / max(I/O time, compute time), where I/O time =
 //     bytes read per token / dd bandwidth, compute time = the resident run's time per token;
 //   * peak RSS (getrusage, from the run's JSON) against the plan at each budget;
@@ -223,6 +224,11 @@ int main(int argc, char** argv) {
         std::printf("\nI/O at the floor\n  trunk streaming %8.0f MB/s  = %.2f of dd\n", trunk_rate / 1e6, trunk_rate / disk);
         std::printf("  expert fetches  %8.0f MB/s  = %.2f of a plain O_DIRECT read of the same experts at queue depth %d (%.0f MB/s)\n",
                     expert_rate / 1e6, expert_rate / plain, qd, plain / 1e6);
+        // read-ahead: the share of expert read time the decode did not wait for (hidden behind compute)
+        const double hidden = med("floor", [&](const RunResult& r) {
+            return 1.0 - io(r, "expert_wait_seconds") / std::max(io(r, "expert_read_seconds"), 1e-9);
+        });
+        std::printf("  expert reads hidden behind compute by read-ahead: %.1f%% of their time\n", 100.0 * hidden);
 
         // overlap at the floor
         const double wall = med("floor", [](const RunResult& r) { return r.decode_seconds; });
@@ -281,6 +287,7 @@ int main(int argc, char** argv) {
                     {"expert_fetch_bytes_per_second", expert_rate},
                     {"plain_expert_read_bytes_per_second", plain},
                     {"expert_vs_plain", expert_rate / plain},
+                    {"expert_read_hidden_share", hidden},
                     {"overlap", {{"wall", wall}, {"io", io_time}, {"compute", compute}, {"ratio", overlap}}},
                     {"rss", rss},
                     {"projection", projections}};
