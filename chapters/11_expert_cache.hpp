@@ -547,20 +547,17 @@ class ExpertCache : public ExpertProvider {
         bool settled = true;                    // its counts merged and its failures handled
     };
 
+    // Refuses a dense layer, a bad id, or more ids than fit beside `busy` before anything changes.
     void admit(int layer, std::span<const int> ids, std::span<const std::size_t> busy, Batch& b) {
-        if (ids.size() + busy.size() > table_.slots())
-            fail(ErrorKind::usage, "ExpertCache::fetch: " + std::to_string(ids.size()) + " experts at once" +
-                                       (busy.empty() ? std::string() : " beside " + std::to_string(busy.size()) + " in use") +
-                                       ", but the cache has " + std::to_string(table_.slots()) + " slots");
         keys_.clear();
         for (int id : ids) {
-            store_.location(layer, id);  // refuses a dense layer or a bad id before anything changes
+            store_.location(layer, id);
             keys_.push_back(expert_key(layer, id));
         }
+        table_.admit(keys_, b.placed, busy);  // checks the count first
         b.layer = layer;
         b.ids.assign(ids.begin(), ids.end());
         for (int id : ids) trace_.requests.push_back({table_.step(), std::uint16_t(layer), std::uint16_t(id)});
-        table_.admit(keys_, b.placed, busy);
         trace_.steps = std::uint32_t(table_.stats().steps);
         b.misses.clear();
         for (std::size_t i = 0; i < ids.size(); ++i)

@@ -407,15 +407,8 @@ class PieceRing {
                     if (slots_[victim].state == Ready) ++stats_.mismatches;  // prefetched, then not wanted
                     Slot& s = slots_[victim];
                     s = Slot{p.key(), Reading, false, 0, nullptr};
-                    lk.unlock();
                     std::exception_ptr err;
-                    std::size_t skew = 0;
-                    try {
-                        skew = read_piece(p, arena_.data() + victim * slot_bytes_);
-                    } catch (...) {
-                        err = std::current_exception();
-                    }
-                    lk.lock();
+                    const std::size_t skew = read_unlocked(lk, p, victim, err);
                     if (err) {
                         s = Slot{};
                         cv_.notify_all();
@@ -498,6 +491,20 @@ class PieceRing {
         return skew;
     }
 
+    // Reads `p` into `slot` (marked Reading by the caller) with the lock released, so the consumer and
+    // the other readers go on meanwhile; returns the skew, or sets `err`. The lock is held again after.
+    std::size_t read_unlocked(std::unique_lock<std::mutex>& lk, const Piece& p, std::size_t slot, std::exception_ptr& err) {
+        lk.unlock();
+        std::size_t skew = 0;
+        try {
+            skew = read_piece(p, arena_.data() + slot * slot_bytes_);
+        } catch (...) {
+            err = std::current_exception();
+        }
+        lk.lock();
+        return skew;
+    }
+
     void reader_loop() {
         std::unique_lock<std::mutex> lk(mu_);
         for (;;) {
@@ -521,15 +528,8 @@ class PieceRing {
             if (s.state != Free) ++stats_.busy_slot_reads;  // (cannot happen: next_target returns free slots)
             const Piece p = *want;
             s = Slot{p.key(), Reading, true, 0, nullptr};
-            lk.unlock();
             std::exception_ptr err;
-            std::size_t skew = 0;
-            try {
-                skew = read_piece(p, arena_.data() + target * slot_bytes_);
-            } catch (...) {
-                err = std::current_exception();
-            }
-            lk.lock();
+            const std::size_t skew = read_unlocked(lk, p, target, err);
             s.state = Ready;
             s.skew = skew;
             s.failure = err;

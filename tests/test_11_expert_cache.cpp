@@ -196,6 +196,14 @@ std::vector<float> run_tokens(test::Tiny& tiny, ExpertProvider& experts) {
     return y;
 }
 
+// The hand-worked trace of 11.6: one layer, one request per step, experts A A B C A B C (0 0 1 2 0 1 2).
+Trace hand_trace(std::uint64_t expert_bytes) {
+    Trace t{2, 3, 1, 7, expert_bytes, {}};
+    const int seq[7] = {0, 0, 1, 2, 0, 1, 2};
+    for (std::uint32_t i = 0; i < 7; ++i) t.requests.push_back({i, 1, std::uint16_t(seq[i])});
+    return t;
+}
+
 std::string read_file(const std::string& path) {
     std::ifstream f(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), {});
@@ -672,9 +680,7 @@ TEST_CASE("11.6 the simulator on a hand-worked trace: LRU 1, LFU 2, Belady 3 hit
     //   Belady: A miss, A hit, B miss, C miss: next A at 4, next B at 5 -> evict B; A hit (next: never);
     //           B miss: A never again, C next at 6 -> evict A; C hit.           3 hits, 4 misses, 2 evictions
     //   Compulsory: 3 distinct experts, so at most 4 of 7 hits at any size.
-    Trace t{2, 3, 1, 7, 1000, {}};
-    const int seq[7] = {0, 0, 1, 2, 0, 1, 2};
-    for (std::uint32_t i = 0; i < 7; ++i) t.requests.push_back({i, 1, std::uint16_t(seq[i])});
+    const Trace t = hand_trace(1000);
     const std::size_t sizes[2] = {2, 3};
     const std::vector<SimResult> r = simulate_cache(t, sizes);
     REQUIRE(r.size() == 6);
@@ -726,9 +732,7 @@ TEST_CASE("11.6 replaying the recorded tiny K3 trace gives the live cache's exac
 }
 
 TEST_CASE("11.6 the table and the SVG plot") {
-    Trace t{2, 3, 1, 7, 1000000, {}};
-    const int seq[7] = {0, 0, 1, 2, 0, 1, 2};
-    for (std::uint32_t i = 0; i < 7; ++i) t.requests.push_back({i, 1, std::uint16_t(seq[i])});
+    const Trace t = hand_trace(1000000);
     const std::size_t sizes[2] = {2, 3};
     const std::vector<SimResult> r = simulate_cache(t, sizes);
     char* buf = nullptr;
