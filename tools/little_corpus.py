@@ -51,6 +51,10 @@ Cleaning, nlp-corpus (each doc-N.json is one document):
     every run of white space (tabs, newlines, no-break and thin spaces) becomes one space.
   * a sentence that still contains U+FFFD (its bytes were lost before packaging) or no letter or digit
     at all (`###`, `...`) is dropped.
+  * a sentence with a racial, ethnic or homophobic slur or strong profanity (lyrics and film reviews
+    have a few hundred) is dropped: a model shipped with a course should not have learnt them. The
+    words are kept as the first 16 hex digits of the sha256 of the lowercase word (BLOCKED below), so
+    the list is not printed here; a word matches after stripping punctuation at its ends.
   * the kept sentences become paragraphs of SENTENCES_PER_PARAGRAPH in file order.
 Both: any other control character stops the script (none is expected).
 
@@ -257,6 +261,30 @@ def clean_brown(name, data):
 # ---- cleaning: nlp-corpus ------------------------------------------------------------------------------
 
 DROP_CHARS = {"\u200b", "\ufeff", "\u00ad"}
+BLOCKED = {  # sha256(lowercase word)[:16] of slurs and strong profanity (see the docstring)
+    "f50c51ed2315dcf3", "26578569a290ecbe", "12e6274e4309293e", "bb209d506bb8b178", "d75a838dc758ba17",
+    "5a9d9dcefb56e593", "30a989afc82c0a21", "f9d0d9b18ae9033a", "45cd3e1bb472d8e2", "796e43a5a8cdb73b",
+    "94a2b576a9f577e9", "e7b98c6aa5b944e0", "daec0c235d3135fc", "566f532d486c9477", "517ae3f73216da64",
+    "ad505b0be8a49b89", "99e367bcad7a502f", "886d51e97ad7931d", "92a9bf818e7e0002", "9915ba2d822280f2",
+    "8f5083e3e5c7dc89", "1e02eec4f1095143", "17bde8b4064612e2", "6ac3c336e4094835", "b690cdbe59f14b3b",
+    "bb61ef40814ce34c", "63333e4b5d1cde54", "31506a8448a761a4", "522788b65f01ccc0", "cc02032349c833ac",
+    "82159dd02870c13e", "c3de533e9b7fe63b", "268651b3ece98010", "2f5f6ce5ae30b54a", "acd9193a33ddc5c6",
+    "d95b1fc7856571b0", "08a841e996781e9e", "341d56384afc0f47", "87d1690e74a1d827", "120f6e5b4ea32f65",
+    "5b3ae48be122f7ed", "3b1e0d7c5dd45583", "7122c9a14ba2d20e", "41b4d5e85655f1b3", "0f28c4960d96647e",
+    "22fc75e65a0e9d34", "17a110e533284872", "158869a97379229b", "bd331fb1d24298f5", "c1cabb6f6e431f9c",
+    "85fc17f7069acd39", "45fb7c3b72b6856c", "986c99004163a6c5", "c2c3b68b48832afd", "11cf8376a1575fdc",
+    "98b52c4b6b7d1f48", "044eb98b18769b88", "333f7618092958c7", "da0a6b1b9213d48f", "402f7ebd98864afe",
+    "16ea09fc78ca83ca", "dd92623b0a4b255f", "2da888fb5e7c5a6f", "bdb1cc258d6976aa", "f1a5fb56076acc84",
+    "eef3bd091670c344", "0ce875d620076b53", "9ae315a94e428a7e", "937d56e49744d206",
+}
+
+
+def blocked(sentence):
+    for word in sentence.lower().split():
+        w = word.strip("\"'()[]{}.,;:!?*-_/\\")
+        if w and hashlib.sha256(w.encode("utf-8")).hexdigest()[:16] in BLOCKED:
+            return True
+    return False
 ENTITY_RE = re.compile(r"&(?:#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);")
 
 
@@ -287,6 +315,9 @@ def clean_sentence(s, stats):
         return ""
     if not any(ch.isalnum() for ch in s):
         stats["sentences dropped: no letter or digit"] += 1
+        return ""
+    if blocked(s):
+        stats["sentences dropped: a slur or strong profanity"] += 1
         return ""
     return s
 
@@ -551,6 +582,8 @@ def self_test():
         ("zero\u200bwidth soft\u00adhyphen", "zerowidth softhyphen"),
         ("caf\u00e9 \U0001F600 \u201cq\u201d", "caf\u00e9 \U0001F600 \u201cq\u201d"),
         ("lost \ufffd byte", ""), ("###", ""), ("...", ""), ("", ""),
+        ("That was \"BULLSHIT!\" he said.", ""),                     # a blocked word, any case, in quotes
+        ("A classic Scunthorpe pass, shitake-free.", "A classic Scunthorpe pass, shitake-free."),  # not inside words
     ]
     failed = 0
     for src, want in brown:
