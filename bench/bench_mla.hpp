@@ -28,12 +28,13 @@ inline void bench_mla(std::FILE* out, int reps, double read_bw_bytes_per_s) {
     };
     const auto q_a = mat(d.q_lora, D), q_b = mat(H * d.qk(), d.q_lora), kv_a = mat(C, D), kv_b = mat(H * (d.nope + d.v), d.kv_lora),
                g = mat(H * d.v, D), o = mat(D, H * d.v);
-    const auto q_norm = rng.bf16s(d.q_lora, 0.5f, 1.5f), kv_norm = rng.bf16s(d.kv_lora, 0.5f, 1.5f);
+    const auto q_norm = rng.floats(d.q_lora, 0.5f, 1.5f), kv_norm = rng.floats(d.kv_lora, 0.5f, 1.5f);
     auto ref = [](const std::vector<bf16>& w, std::size_t rows) { return MatrixRef{w.data(), nullptr, rows, w.size() / rows}; };
     const MlaWeights w{ref(q_a, d.q_lora), q_norm.data(), ref(q_b, H * d.qk()), ref(kv_a, C), kv_norm.data(),
                        ref(kv_b, H * (d.nope + d.v)), ref(g, H * d.v), ref(o, D)};
     double weight_bytes = 0;
-    for (const auto* m : {&q_a, &q_b, &kv_a, &kv_b, &g, &o, &q_norm, &kv_norm}) weight_bytes += double(m->size() * sizeof(bf16));
+    for (const auto* m : {&q_a, &q_b, &kv_a, &kv_b, &g, &o}) weight_bytes += double(m->size() * sizeof(bf16));
+    weight_bytes += double((q_norm.size() + kv_norm.size()) * sizeof(float));
     const auto u = rng.floats(D);
     std::vector<float> y(D);
 

@@ -6,7 +6,7 @@
 //   the whole course promises one thing: the engine's output does not depend on the SIMD width, the
 //   thread count or the memory budget. That promise is kept here, once, and every later chapter uses it.
 //   New concepts: float32 and bfloat16 bit layouts, round-to-nearest-even, the 16-lane accumulation with
-//   its fixed pairwise tree `hsum16`, the thin SIMD shim over xsimd, the OpenMP row split, and why the
+//   its fixed pairwise tree `hsum16`, the thin SIMD shim over xsimd, the row split over a thread team, and why the
 //   build forbids fused multiply-add.
 //
 // WHERE THIS SITS IN KIMI K3
@@ -45,7 +45,9 @@
 //      element i into lane i % 16, lanes start at +0.0f, each addition is `lane = lane + (a * b)`
 //      (multiply rounded, then add rounded), and the 16 lanes are finished by `hsum16`.
 //      Reference code keeps `float acc[16]`; SIMD code keeps 16/W batches whose lanes are a fixed
-//      permutation of the 16 logical lanes. Then the result is the same bits for every W.
+//      permutation of the 16 logical lanes. Then the result is the same bits for every W. Any n
+//      works: SIMD code runs the whole chunks of 16 in registers and adds the last n % 16 elements
+//      into their lanes in plain code (`finish_tail`), exactly as the reference does.
 //   2. No FMA anywhere: the build uses -ffp-contract=off and never -ffast-math; the canary test
 //      (test 0.6) fails if a compiler flag lets `a*b+c` fuse.
 //   3. Transcendentals (exp, tanh, sqrt-then-divide) are scalar std:: calls in both the reference and
@@ -63,7 +65,7 @@
 //   V vocab (163840)   P = H * Dh (12288)   I dense FFN width (33792)
 //   A shape comment `// (E, D)` means a row-major buffer of E rows of D elements.
 //
-// USES     <bit>, xsimd 8.1 (only here), OpenMP (optional).
+// USES     <bit>, <atomic>, <thread>, xsimd 8.1 (only here).
 // RUN      make run-00        (example: bit layouts, RNE cases, lanes and hsum16, the SIMD arch in use)
 // TEST     make test-00       (exhaustive bf16 patterns, RNE against a slow oracle, the FMA canary)
 //
@@ -73,18 +75,21 @@
 // ====================================================================================================
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <xsimd/xsimd.hpp>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace kimik3 {
 
@@ -129,11 +134,25 @@ inline bf16 f32_to_bf16(float f) {
     return bf16((u + 0x7FFFu + lsb) >> 16);                      // may carry into Inf: correct RNE
 }
 
+// F16 (IEEE half) -> f32, exact: 1 sign, 5 exponent (bias 15), 10 mantissa bits. Every F16 value is
+// an f32 value (more exponent range, more mantissa), so a checkpoint may store any float tensor as F16
+// and lose nothing in the widening; the engine never narrows to F16.
+inline float f16_to_f32(std::uint16_t h) {
+    const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+    const std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (mant << 13));  // Inf / NaN
+    if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+    const float sub = float(mant) * 0x1p-24f;  // subnormal: mant * 2^-24, exact in f32
+    return sign ? -sub : sub;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // 0.3 Shape checks
 // ---------------------------------------------------------------------------------------------------
-// Kernels require their reduction length to be a multiple of 16 (32 for MXFP4). There are no silent
-// tail paths: a width that breaks the contract is refused at the entry with the function's name.
+// Reductions take any length: element i goes into lane i % 16 whatever n is (0.5), so a width that is
+// not a multiple of 16 (K3's are; a checkpoint saved from Moonshot's module need not be) only leaves a
+// short last chunk. Only a number FORMAT fixes a multiple: MXFP4 stores 32 weights per scale (chapter
+// 05). A width that breaks such a contract is refused at the entry with the function's name.
 inline void require_multiple(const char* where, const char* what, std::size_t value, std::size_t m) {
     if (value % m != 0)
         fail(ErrorKind::usage, std::string(where) + ": " + what + " = " + std::to_string(value) +
@@ -226,27 +245,41 @@ inline float hsum16(const float a[kLanes]) {
     return s2_0 + s2_1;
 }
 
-// The canonical dot product, reference form: element i into lane i % 16. n must be a multiple of 16.
+// The canonical dot product, reference form: element i into lane i % 16, for any n.
 inline float dot_ref(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
-    require_multiple("dot_ref", "n", n, kLanes);
     float acc[kLanes] = {};
     for (std::size_t i = 0; i < n; ++i) acc[i % kLanes] = acc[i % kLanes] + a[i] * b[i];
     return hsum16(acc);
 }
 
+// Every SIMD reduction of the project ends the same way: its 16 lanes stored in logical order, the
+// elements of a last, partial chunk (n % 16 of them, at most 15) added into lanes 0, 1, ... in plain
+// code, then the tree. The reference adds those same elements to the same lanes after the same full
+// chunks, so the tail costs at most 15 scalar additions per output and never a bit of difference.
+// (Padding the tail with zeros and adding it in registers would also be exact, since a lane that
+// starts at +0 can never become -0, but "the same additions, in the same order" needs no argument.)
+template <class Product>
+inline float finish_tail(float lanes[kLanes], std::size_t full, std::size_t n, Product&& product) {
+    for (std::size_t i = full; i < n; ++i) lanes[i % kLanes] = lanes[i % kLanes] + product(i);
+    return hsum16(lanes);
+}
+
+// The largest multiple of 16 not above n: where the SIMD loops stop and the tail begins.
+inline constexpr std::size_t full_chunks(std::size_t n) { return n / kLanes * kLanes; }
+
 // SIMD form. Bit-identical to dot_ref: batch j holds logical lanes j*W .. j*W+W-1, and every lane
 // receives the same products in the same order. The one structural difference: the 16 partial sums
-// live in 16/W registers instead of an array.
+// live in 16/W registers instead of an array (then finish_tail).
 inline float dot_simd(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
-    require_multiple("dot_simd", "n", n, kLanes);
     simd::f32 acc[simd::kBatchesPer16];
     for (auto& v : acc) v = simd::splat(0.0f);
-    for (std::size_t i = 0; i < n; i += kLanes)
+    const std::size_t full = full_chunks(n);
+    for (std::size_t i = 0; i < full; i += kLanes)
         for (int j = 0; j < simd::kBatchesPer16; ++j)
             acc[j] = acc[j] + simd::load(a + i + j * simd::W) * simd::load(b + i + j * simd::W);
     float lanes[kLanes];
     for (int j = 0; j < simd::kBatchesPer16; ++j) simd::store(lanes + j * simd::W, acc[j]);
-    return hsum16(lanes);
+    return finish_tail(lanes, full, n, [&](std::size_t i) { return a[i] * b[i]; });
 }
 
 inline float dot(const float* a, const float* b, std::size_t n) {  // a (n), b (n)
@@ -285,35 +318,139 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x * sigmoid(x); }
 
 // ---------------------------------------------------------------------------------------------------
-// 0.8 Threads: the row split
+// 0.8 Threads: the row split, on a team that sleeps when it waits
 // ---------------------------------------------------------------------------------------------------
 // Threads only ever split independent outputs. `parallel_rows(n, work_per_row, f)` calls
 // f(begin, end) on contiguous row ranges, one per thread, and runs single-threaded when the whole job is
-// too small to repay waking the thread team (~256k multiply-adds, about 50 microseconds of work). Which thread computes a row never
-// changes that row's bits, so the split can be anything; a static, contiguous one is simplest.
-inline int max_threads() {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
+// too small to repay waking the team (~256k multiply-adds, about 50 microseconds of work). Which thread
+// computes a row never changes that row's bits, so the split can be anything; a static, contiguous one
+// is simplest.
+//
+// Why our own team and not `#pragma omp parallel`: between two parallel regions libgomp's idle threads
+// busy-wait (by default a few hundred thousand spins) for the next one. On an idle machine that is
+// free; on a loaded 2-core machine a spinning thread takes the core from the thread that has the work,
+// and a 1.4 ms two-thread matvec was measured at 13-16 ms. This team spins for a few microseconds at
+// most, then sleeps on a futex (C++20 std::atomic::wait), both while idle and while the caller waits for
+// the last worker, so a busy machine costs a wake-up per job, never a stolen time slice.
+//
+// The team: thread 0 is the caller; workers 1..n-1 start on first use and live until exit. A job is
+// published by bumping `generation`; every worker runs its part (or nothing) and counts `pending` down.
+// One job at a time: a second caller thread that finds the team busy (or a kernel called from inside a
+// job) runs its job alone, on its own thread, which gives the same bits.
+namespace detail {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
 #endif
 }
 
+class Team {
+public:
+    static Team& get() {
+        static Team team;
+        return team;
+    }
+    int threads() const { return threads_.load(std::memory_order_relaxed); }
+    void set_threads(int n) { threads_.store(n, std::memory_order_relaxed); }
+
+    // Runs part(t, nt) for t = 0..nt-1, part 0 on this thread; false (nothing run) if the team is busy.
+    template <class Part>
+    bool run(int nt, Part& part) {
+        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+        if (!lock.owns_lock() || inside_job()) return false;
+        grow(nt - 1);
+        call_ = [](void* p, int t, int n) { (*static_cast<Part*>(p))(t, n); };
+        ctx_ = const_cast<void*>(static_cast<const void*>(&part));
+        nt_ = nt;
+        const int workers = int(workers_.size());
+        pending_.store(workers, std::memory_order_relaxed);
+        generation_.fetch_add(1, std::memory_order_release);
+        generation_.notify_all();
+        inside_job() = true;
+        part(0, nt);
+        inside_job() = false;
+        for (int spin = 0; spin < kSpin && pending_.load(std::memory_order_acquire) != 0; ++spin) cpu_relax();
+        for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) pending_.wait(left, std::memory_order_acquire);
+        return true;
+    }
+
+    static bool& inside_job() {
+        thread_local bool inside = false;
+        return inside;
+    }
+    static int& thread_index() {
+        thread_local int index = 0;
+        return index;
+    }
+
+    ~Team() {
+        stop_.store(true, std::memory_order_relaxed);
+        generation_.fetch_add(1, std::memory_order_release);
+        generation_.notify_all();
+        for (std::thread& w : workers_) w.join();
+    }
+
+private:
+    static constexpr int kSpin = 4000;  // ~10-40 microseconds of pause before sleeping
+
+    Team() {
+        unsigned n = std::thread::hardware_concurrency();
+        if (const char* env = std::getenv("OMP_NUM_THREADS")) n = unsigned(std::strtoul(env, nullptr, 10));
+        threads_.store(n > 0 ? int(n) : 1, std::memory_order_relaxed);
+    }
+
+    void grow(int workers) {
+        while (int(workers_.size()) < workers) {
+            const int index = int(workers_.size()) + 1;
+            workers_.emplace_back([this, index, seen = generation_.load()] { work(index, seen); });
+        }
+    }
+
+    void work(int index, std::uint64_t seen) {
+        thread_index() = index;
+        inside_job() = true;
+        for (;;) {
+            std::uint64_t g = generation_.load(std::memory_order_acquire);
+            for (int spin = 0; spin < kSpin && g == seen; ++spin) cpu_relax(), g = generation_.load(std::memory_order_acquire);
+            while (g == seen) generation_.wait(seen, std::memory_order_acquire), g = generation_.load(std::memory_order_acquire);
+            seen = g;
+            if (stop_.load(std::memory_order_relaxed)) return;
+            if (index < nt_) call_(ctx_, index, nt_);
+            if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+        }
+    }
+
+    std::atomic<int> threads_{1};
+    std::mutex busy_;
+    std::vector<std::thread> workers_;
+    std::atomic<std::uint64_t> generation_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<bool> stop_{false};
+    void (*call_)(void*, int, int) = nullptr;
+    void* ctx_ = nullptr;
+    int nt_ = 1;
+};
+
+}  // namespace detail
+
+// The thread count kernels split over (default: the machine's cores, or OMP_NUM_THREADS when set).
+inline int max_threads() { return detail::Team::get().threads(); }
 inline void set_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-#else
-    (void)n;
-#endif
+    if (n > 0) detail::Team::get().set_threads(n);
 }
 
-// Already inside a parallel region (a kernel called per head): run here, do not nest a team.
-inline bool in_parallel() {
-#ifdef _OPENMP
-    return omp_in_parallel();
-#else
-    return false;
-#endif
+// Already inside a job (a kernel called per head): run here, do not nest a team.
+inline bool in_parallel() { return detail::Team::inside_job(); }
+
+// Which team member this is (0 = the calling thread): for tests and examples that show the split.
+inline int thread_index() { return detail::Team::thread_index(); }
+
+// Runs part(t, nt) on nt threads at once, part 0 on the caller (nt = 1, or a busy team: all here).
+template <class Part>
+void run_on_threads(int nt, Part&& part) {
+    if (nt > 1 && !in_parallel() && detail::Team::get().run(nt, part)) return;
+    for (int t = 0; t < nt; ++t) part(t, nt);
 }
 
 // The smallest job (rows x work per row) worth waking the team for. The tests set it to 1, so that
@@ -326,20 +463,16 @@ inline std::size_t& parallel_min_work() {
 template <class F>
 void parallel_rows(std::size_t n_rows, std::size_t work_per_row, F&& f) {
     if (n_rows == 0) return;
-    if (max_threads() == 1 || n_rows * work_per_row < parallel_min_work() || n_rows < 2 || in_parallel()) {
+    const int nt = int(std::min<std::size_t>(std::size_t(max_threads()), n_rows));
+    if (nt <= 1 || n_rows * work_per_row < parallel_min_work() || in_parallel()) {
         f(std::size_t(0), n_rows);
         return;
     }
-#pragma omp parallel
-    {
-#ifdef _OPENMP
-        const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
-#else
-        const std::size_t t = 0, nt = 1;
-#endif
-        const std::size_t begin = n_rows * t / nt, end = n_rows * (t + 1) / nt;
+    auto part = [&](int t, int n) {
+        const std::size_t begin = n_rows * std::size_t(t) / std::size_t(n), end = n_rows * std::size_t(t + 1) / std::size_t(n);
         if (begin < end) f(begin, end);
-    }
+    };
+    run_on_threads(nt, part);
 }
 
 }  // namespace kimik3

@@ -119,16 +119,6 @@ inline bool parse_dtype(std::string_view s, DType& out) {
     return false;
 }
 
-// F16 (IEEE half) -> f32, exact. 1 sign, 5 exponent (bias 15), 10 mantissa bits.
-inline float f16_to_f32(std::uint16_t h) {
-    const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
-    const std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (mant << 13));  // Inf / NaN
-    if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-    const float sub = float(mant) * 0x1p-24f;  // subnormal: mant * 2^-24, exact in f32
-    return sign ? -sub : sub;
-}
-
 // A tensor shape: at most 8 dimensions, stored inline (the K3 header holds ~500,000 tensors; a heap
 // vector per shape would cost tens of MB for nothing).
 struct Shape {

@@ -29,14 +29,21 @@
 //     nested at most 64 deep, no duplicate keys); counts are capped at sane multiples of K3 (1,024
 //     layers, 2^20 for every width and count), numbers must fit a float, and values that cannot be
 //     right are refused (rms_norm_eps above 0.01, a non-positive SiTU beta or routed_scaling_factor).
-//   * Values that would run and be wrong are refused with what is unsupported: a softmax router, grouped
-//     top-k with more than one group, no gate_lower_bound (Kimi-Linear's decay), a low-rank KDA gate,
-//     rotary MLA, no AttnRes, non-latent MoE, GQA, tied embeddings, a quantization other than MXFP4.
-//   * Every reduction width must be a multiple of 16 and every MXFP4 input width a multiple of 32.
+//   * What Moonshot's code runs, this chapter accepts: top-1 routing, `moe_renormalize: false`,
+//     `latent_moe_use_norm: false`, KDA with more heads than head_dim, any width (the kernels finish the
+//     last n % 16 elements in plain code), BF16, F16 or F32 for any dense tensor. Options of Moonshot's
+//     module that Kimi K3 does not use are refused as such ("... is an option of Moonshot's code that
+//     Kimi K3 does not use (not implemented here)"): a softmax router, more than one expert group, no
+//     gate_lower_bound (Kimi-Linear's softplus decay), a low-rank KDA gate, no q_lora, no AttnRes,
+//     non-latent MoE, no shared expert, another activation than SiTU, no output gate, tied embeddings.
+//     Values the math cannot take are refused with the reason: gate_lower_bound outside [-5, 0) (the
+//     range of fla's chunked KDA kernel), a quantization other than MXFP4, an MXFP4 input width that is
+//     not a multiple of its 32-element block.
 //   * Binding checks every expected tensor's dtype and shape; a missing tensor, a wrong shape or dtype, an
 //     expert missing a part, or a `weight_packed` outside the routed experts is an error naming the
 //     tensor, what was expected and what was found (up to 20 problems listed at once).
-//   * A_log is bound with its stored shape [head_dim] and sliced to num_heads by its users (trap 5.1.1).
+//   * A_log: Moonshot's module declares it [num_heads]; the release stores it zero-padded to 128 (equal
+//     to K3's head_dim by coincidence). Any length >= num_heads is bound; users read the first num_heads.
 //
 // USES     chapter 00 (Error), chapter 01 (Checkpoint, TensorInfo), nlohmann/json
 // RUN      make run-02         TEST   make test-02
@@ -107,7 +114,8 @@ struct Config {
     int num_shared_experts = 0;       // 2 (fused: shared width = 2 x 3072)
     int moe_intermediate_size = 0;    // F = 3072
     int routed_expert_hidden_size = 0;  // L = 3584 (latent MoE)
-    bool moe_renormalize = true;      // true
+    bool moe_renormalize = true;      // true (with one expert per token the weight is never divided)
+    bool latent_moe_use_norm = true;  // true: RMSNorm on the combined latent before the up-projection
     float routed_scaling_factor = 0;  // 1.0
     // AttnRes (spec 3.2)
     int attn_res_block_size = 0;      // 12
@@ -219,6 +227,13 @@ struct ConfigReader {
     }
 };
 
+// A config number as written in messages: "-6", "1e-05" (never a long decimal expansion).
+inline std::string number_str(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return buf;
+}
+
 // "[1,2,3]"; a long list names its first 10 elements and how many more there are.
 inline std::string list_str(const std::vector<int>& v) {
     std::string s = "[";
@@ -278,7 +293,19 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     c.rms_norm_eps = r.number(t, tp, "rms_norm_eps");
     c.num_attention_heads = r.integer(t, tp, "num_attention_heads");
     const int kv_heads = r.integer(t, tp, "num_key_value_heads");
-    c.q_lora_rank = r.integer(t, tp, "q_lora_rank");
+    // An option of Moonshot's modeling code that Kimi K3 does not use: refused with that reason, so a
+    // user sees that the checkpoint is a valid Kimi-Linear-family model this engine does not run.
+    auto unused_option = [&](const std::string& path, const std::string& what) {
+        r.problems.push_back(path + ": " + what + " is an option of Moonshot's code that Kimi K3 does not use (not implemented here)");
+        r.failed.insert(path.substr(path.rfind('.') + 1));
+    };
+    // A field whose absence (or null) selects one of those options.
+    auto present = [&](const nlohmann::json& o, const std::string& path, const char* key, const std::string& what) {
+        if (o.contains(key) && !o[key].is_null()) return true;
+        unused_option(path + key, what);
+        return false;
+    };
+    if (present(t, tp, "q_lora_rank", "no q_lora_rank (MLA without the query low-rank path)")) c.q_lora_rank = r.integer(t, tp, "q_lora_rank");
     c.kv_lora_rank = r.integer(t, tp, "kv_lora_rank");
     c.qk_nope_head_dim = r.integer(t, tp, "qk_nope_head_dim");
     c.qk_rope_head_dim = r.integer(t, tp, "qk_rope_head_dim");
@@ -296,12 +323,10 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     c.kda_num_heads = r.integer(l, lp, "num_heads");
     c.kda_head_dim = r.integer(l, lp, "head_dim");
     c.short_conv_kernel_size = r.integer(l, lp, "short_conv_kernel_size");
-    const bool full_rank_gate = l.contains("use_full_rank_gate") ? r.boolean(l, lp, "use_full_rank_gate") : false;
-    if (!l.contains("use_full_rank_gate"))
-        r.problems.push_back(lp + "use_full_rank_gate: missing (a low-rank KDA output gate, g_a/g_b_proj, is not implemented)");
-    if (la && !l.contains("gate_lower_bound"))
-        r.problems.push_back(lp + "gate_lower_bound: missing: Kimi-Linear's softplus decay is not implemented, only K3's lower-bounded sigmoid gate");
-    else if (la)
+    if (la && present(l, lp, "use_full_rank_gate", "no use_full_rank_gate (the low-rank KDA output gate g_a/g_b_proj)") &&
+        !r.boolean(l, lp, "use_full_rank_gate"))
+        unused_option(lp + "use_full_rank_gate", "false (the low-rank KDA output gate g_a/g_b_proj)");
+    if (la && present(l, lp, "gate_lower_bound", "no gate_lower_bound (Kimi-Linear's softplus decay, without a lower bound)"))
         c.gate_lower_bound = r.number(l, lp, "gate_lower_bound");
 
     const std::string act = r.string(t, tp, "hidden_act");
@@ -313,48 +338,40 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     c.num_experts = r.integer(t, tp, "num_experts");
     c.num_experts_per_token = r.integer(t, tp, "num_experts_per_token");
     c.num_shared_experts = r.integer(t, tp, "num_shared_experts", 0);
+    if (!r.failed.count("num_shared_experts") && c.num_shared_experts == 0)
+        unused_option(tp + "num_shared_experts", "0 (a MoE without shared experts)");
     c.moe_intermediate_size = r.integer(t, tp, "moe_intermediate_size");
-    if (!t.contains("routed_expert_hidden_size"))
-        r.problems.push_back(tp + "routed_expert_hidden_size: missing: only K3's latent MoE is implemented");
-    else
+    if (present(t, tp, "routed_expert_hidden_size", "no routed_expert_hidden_size (a MoE whose experts work at full width, not latent)"))
         c.routed_expert_hidden_size = r.integer(t, tp, "routed_expert_hidden_size");
-    const bool latent_norm = r.boolean(t, tp, "latent_moe_use_norm");
+    c.latent_moe_use_norm = r.boolean(t, tp, "latent_moe_use_norm");
     const std::string router = r.string(t, tp, "moe_router_activation_func");
     c.moe_renormalize = r.boolean(t, tp, "moe_renormalize");
     c.routed_scaling_factor = r.number(t, tp, "routed_scaling_factor");
-    const int groups = t.contains("num_expert_group") ? r.integer(t, tp, "num_expert_group") : 1;
-    if (!t.contains("attn_res_block_size"))
-        r.problems.push_back(tp + "attn_res_block_size: missing: a model without Block Attention Residuals is not K3");
-    else
+    const int groups = t.contains("num_expert_group") && !t["num_expert_group"].is_null() ? r.integer(t, tp, "num_expert_group") : 1;
+    if (present(t, tp, "attn_res_block_size", "no attn_res_block_size (the plain residual stream, without Attention Residuals)"))
         c.attn_res_block_size = r.integer(t, tp, "attn_res_block_size");
     auto flag = [](const nlohmann::json& o, const char* key) { return o.contains(key) && o[key].is_boolean() && o[key].get<bool>(); };
     const bool tied = flag(root, "tie_word_embeddings") || flag(t, "tie_word_embeddings");
 
     // ---- 2.3 validation and refusals: what would otherwise run and be wrong ----
-    r.require(act == "situ", tp + "hidden_act: \"" + act + "\" is not supported (K3 uses \"situ\", spec 0.2)", {"hidden_act"});
-    r.require(router == "sigmoid", tp + "moe_router_activation_func: \"" + router + "\" is not supported (only K3's sigmoid router is implemented)",
-              {"moe_router_activation_func"});
-    r.require(groups == 1, tp + "num_expert_group: " + std::to_string(groups) +
-                               ": group-limited top-k with more than one group is not implemented",
-              {"num_expert_group"});
-    r.require(use_nope, tp + "mla_use_nope: false: rotary MLA is not implemented (K3 is NoPE)", {"mla_use_nope"});
-    r.require(output_gate, tp + "mla_use_output_gate: false: MLA without K3's output gate is not implemented", {"mla_use_output_gate"});
-    r.require(!l.contains("use_full_rank_gate") || full_rank_gate,
-              lp + "use_full_rank_gate: false: the low-rank KDA output gate (g_a/g_b_proj) is not implemented", {"use_full_rank_gate"});
-    r.require(!la || !l.contains("gate_lower_bound") || c.gate_lower_bound < 0,
-              lp + "gate_lower_bound: must be negative (the decay is lower_bound * sigmoid(...))", {"gate_lower_bound"});
-    r.require(latent_norm, tp + "latent_moe_use_norm: false is not implemented", {"latent_moe_use_norm"});
-    r.require(c.moe_renormalize, tp + "moe_renormalize: false is not implemented", {"moe_renormalize"});
+    if (!r.failed.count("hidden_act") && act != "situ") unused_option(tp + "hidden_act", "\"" + act + "\" (K3 uses \"situ\")");
+    if (!r.failed.count("moe_router_activation_func") && router != "sigmoid")
+        unused_option(tp + "moe_router_activation_func", "\"" + router + "\" (K3's router is \"sigmoid\")");
+    if (!r.failed.count("num_expert_group") && groups != 1)
+        unused_option(tp + "num_expert_group", std::to_string(groups) + " (group-limited top-k with more than one group)");
+    r.require(use_nope, tp + "mla_use_nope: false: rotary MLA is refused by Moonshot's code too (K3 is NoPE)", {"mla_use_nope"});
+    if (!r.failed.count("mla_use_output_gate") && !output_gate) unused_option(tp + "mla_use_output_gate", "false (MLA without its output gate)");
+    // fla's chunk_kda accepts a lower bound in [-5, 0) only ("must be in the safe range [-5, 0)"); so do we
+    r.require(!la || !(c.gate_lower_bound < -5.0f || c.gate_lower_bound >= 0.0f),
+              lp + "gate_lower_bound: " + detail::number_str(c.gate_lower_bound) +
+                  " is outside [-5, 0), the range the official KDA kernel accepts (fla's chunk_kda refuses it)",
+              {"gate_lower_bound"});
+    if (tied) unused_option("tie_word_embeddings", "true (one matrix for the embedding and lm_head)");
     r.require(kv_heads == c.num_attention_heads, tp + "num_key_value_heads: " + std::to_string(kv_heads) +
                                                      " != num_attention_heads " + std::to_string(c.num_attention_heads) +
                                                      ": grouped-query MLA is not implemented",
               {"num_key_value_heads", "num_attention_heads"});
-    r.require(!tied, "tie_word_embeddings: true is not supported (K3 has a separate lm_head)");
     r.require(c.rms_norm_eps > 0, tp + "rms_norm_eps: must be positive", {"rms_norm_eps"});
-    // A_log is stored as [head_dim] and read per head (spec 3.3): it must hold one entry per head
-    r.require(c.kda_num_heads <= c.kda_head_dim, lp + "num_heads: " + std::to_string(c.kda_num_heads) + " is more than head_dim " +
-                                                     std::to_string(c.kda_head_dim) + " (A_log, stored as [head_dim], holds one decay scale per head)",
-              {"num_heads", "head_dim"});
     // products of two fields must stay in range too (the KDA width P and the fused shared-expert width)
     r.require(std::int64_t(c.kda_num_heads) * c.kda_head_dim <= (1 << 30),
               lp + "num_heads x head_dim: " + std::to_string(std::int64_t(c.kda_num_heads) * c.kda_head_dim) + " is out of range",
@@ -373,19 +390,13 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
         r.require(v < c.vocab_size, std::string(name) + ": " + std::to_string(v) + " is outside the vocabulary (" +
                                         std::to_string(c.vocab_size) + ")",
                   {"vocab_size"});
-    // widths the kernels reduce over (chapter 00: multiples of 16; chapter 05: MXFP4 inputs of 32)
-    const std::pair<const char*, int> sixteen[] = {
-        {"hidden_size", c.hidden_size},           {"q_lora_rank", c.q_lora_rank},
-        {"kv_lora_rank", c.kv_lora_rank},         {"qk_nope_head_dim", c.qk_nope_head_dim},
-        {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim},
-        {"linear_attn_config.head_dim", c.kda_head_dim}, {"intermediate_size", c.intermediate_size}};
-    for (auto [name, v] : sixteen) {
-        const std::string key = std::string(name).substr(std::string(name).rfind('.') + 1);
-        r.require(v % 16 == 0, tp + name + ": " + std::to_string(v) + " is not a multiple of 16", {key.c_str()});
-    }
+    // Any width runs (chapter 00: element i goes into lane i % 16 whatever n is), but an MXFP4 block holds 32
+    // weights with one scale: the routed experts' input widths must be whole blocks (chapter 05).
     for (auto [name, v] : {std::pair<const char*, int>{"routed_expert_hidden_size", c.routed_expert_hidden_size},
                            {"moe_intermediate_size", c.moe_intermediate_size}})
-        r.require(v % 32 == 0, tp + name + ": " + std::to_string(v) + " is not a multiple of 32 (MXFP4 blocks)", {name});
+        r.require(v % 32 == 0, tp + name + ": " + std::to_string(v) +
+                                   " is not a multiple of 32: an MXFP4 block holds 32 weights, and the experts' inputs are whole blocks",
+                  {name});
     // the one-based layer lists must partition 1..num_hidden_layers
     {
         std::vector<int> seen(std::size_t(c.num_hidden_layers) + 1, 0);
@@ -492,11 +503,28 @@ inline constexpr const char* kPrefix = "language_model.";
 
 struct LayerTensors;  // 2.6
 
+// The dtypes a float tensor may have. The release's comes first (what the census of a config assumes);
+// the others are what a checkpoint saved from Moonshot's modules at another precision holds. All widen
+// to f32 exactly; the engine never rounds a weight to a narrower type.
+using DTypes = std::array<DType, 3>;
+inline constexpr DTypes kBf16Float = {DType::BF16, DType::F16, DType::F32};  // released as BF16
+inline constexpr DTypes kF32Float = {DType::F32, DType::BF16, DType::F16};   // released as F32
+inline constexpr DTypes kU8Only = {DType::U8, DType::U8, DType::U8};        // MXFP4 codes and scales
+
+inline bool dtype_allowed(const DTypes& allowed, DType d) { return std::find(allowed.begin(), allowed.end(), d) != allowed.end(); }
+inline std::string dtypes_str(const DTypes& allowed) {
+    std::string s = dtype_name(allowed[0]);
+    if (allowed[1] != allowed[0]) s += std::string(" (or ") + dtype_name(allowed[1]) + "/" + dtype_name(allowed[2]) + ")";
+    return s;
+}
+
 struct Expected {
     std::string name;                                 // full checkpoint name
-    DType dtype;
+    DTypes dtypes;                                    // allowed, the release's first
     Shape shape;
     const Checkpoint::Ref* LayerTensors::*member;     // where binding stores it (per-layer tensors)
+    std::int64_t at_least = 0;  // > 0: any vector of at least this many entries (A_log); `shape` is then the
+                                // release's layout, which a census of the config alone assumes
 };
 
 // Every non-expert tensor of layer l, in the order of spec 2.2.
@@ -528,67 +556,69 @@ inline std::vector<Expected> expected_layer_tensors(const Config& c, int l) {
     const std::int64_t D = c.hidden_size, P = c.kda_width(), H = c.num_attention_heads;
     const std::string p = std::string(kPrefix) + "model.layers." + std::to_string(l) + ".";
     std::vector<Expected> e = {
-        {p + "input_layernorm.weight", DType::BF16, {D}, &L::input_norm},
-        {p + "post_attention_layernorm.weight", DType::BF16, {D}, &L::post_attn_norm},
-        {p + "self_attention_res_norm.weight", DType::BF16, {D}, &L::attn_res_norm},
-        {p + "self_attention_res_proj.weight", DType::BF16, {1, D}, &L::attn_res_proj},
-        {p + "mlp_res_norm.weight", DType::BF16, {D}, &L::mlp_res_norm},
-        {p + "mlp_res_proj.weight", DType::BF16, {1, D}, &L::mlp_res_proj},
+        {p + "input_layernorm.weight", kBf16Float, {D}, &L::input_norm},
+        {p + "post_attention_layernorm.weight", kBf16Float, {D}, &L::post_attn_norm},
+        {p + "self_attention_res_norm.weight", kBf16Float, {D}, &L::attn_res_norm},
+        {p + "self_attention_res_proj.weight", kBf16Float, {1, D}, &L::attn_res_proj},
+        {p + "mlp_res_norm.weight", kBf16Float, {D}, &L::mlp_res_norm},
+        {p + "mlp_res_proj.weight", kBf16Float, {1, D}, &L::mlp_res_proj},
     };
     const std::string a = p + "self_attn.";
     if (c.layers[std::size_t(l)].attn == AttnKind::KDA) {
         const std::int64_t Hk = c.kda_num_heads, Dh = c.kda_head_dim, W = c.short_conv_kernel_size;
         e.insert(e.end(), {
-            {a + "q_proj.weight", DType::BF16, {P, D}, &L::q_proj},
-            {a + "k_proj.weight", DType::BF16, {P, D}, &L::k_proj},
-            {a + "v_proj.weight", DType::BF16, {P, D}, &L::v_proj},
-            {a + "q_conv1d.weight", DType::F32, {P, 1, W}, &L::q_conv},
-            {a + "k_conv1d.weight", DType::F32, {P, 1, W}, &L::k_conv},
-            {a + "v_conv1d.weight", DType::F32, {P, 1, W}, &L::v_conv},
-            {a + "f_a_proj.weight", DType::BF16, {Dh, D}, &L::f_a_proj},
-            {a + "f_b_proj.weight", DType::BF16, {P, Dh}, &L::f_b_proj},
-            {a + "A_log", DType::F32, {Dh}, &L::A_log},  // stored [head_dim], zero-padded past num_heads
-            {a + "dt_bias", DType::F32, {P}, &L::dt_bias},
-            {a + "b_proj.weight", DType::BF16, {Hk, D}, &L::b_proj},
-            {a + "g_proj.weight", DType::BF16, {P, D}, &L::g_proj},
-            {a + "o_norm.weight", DType::F32, {Dh}, &L::o_norm},
-            {a + "o_proj.weight", DType::BF16, {D, P}, &L::o_proj},
+            {a + "q_proj.weight", kBf16Float, {P, D}, &L::q_proj},
+            {a + "k_proj.weight", kBf16Float, {P, D}, &L::k_proj},
+            {a + "v_proj.weight", kBf16Float, {P, D}, &L::v_proj},
+            {a + "q_conv1d.weight", kF32Float, {P, 1, W}, &L::q_conv},
+            {a + "k_conv1d.weight", kF32Float, {P, 1, W}, &L::k_conv},
+            {a + "v_conv1d.weight", kF32Float, {P, 1, W}, &L::v_conv},
+            {a + "f_a_proj.weight", kBf16Float, {Dh, D}, &L::f_a_proj},
+            {a + "f_b_proj.weight", kBf16Float, {P, Dh}, &L::f_b_proj},
+            // Moonshot's module declares [num_heads]; the release pads it with zeros to [head_dim] (128 = 128
+            // by coincidence): any length >= num_heads is accepted, entries past num_heads are never read
+            {a + "A_log", kF32Float, {std::max(Hk, Dh)}, &L::A_log, Hk},
+            {a + "dt_bias", kF32Float, {P}, &L::dt_bias},
+            {a + "b_proj.weight", kBf16Float, {Hk, D}, &L::b_proj},
+            {a + "g_proj.weight", kBf16Float, {P, D}, &L::g_proj},
+            {a + "o_norm.weight", kF32Float, {Dh}, &L::o_norm},
+            {a + "o_proj.weight", kBf16Float, {D, P}, &L::o_proj},
         });
     } else {
         const std::int64_t Q = c.q_lora_rank, R = c.kv_lora_rank, X = c.qk_rope_head_dim, N = c.qk_nope_head_dim, V = c.v_head_dim;
         e.insert(e.end(), {
-            {a + "q_a_proj.weight", DType::BF16, {Q, D}, &L::q_a_proj},
-            {a + "q_a_layernorm.weight", DType::BF16, {Q}, &L::q_a_norm},
-            {a + "q_b_proj.weight", DType::BF16, {H * (N + X), Q}, &L::q_b_proj},
-            {a + "kv_a_proj_with_mqa.weight", DType::BF16, {R + X, D}, &L::kv_a_proj},
-            {a + "kv_a_layernorm.weight", DType::BF16, {R}, &L::kv_a_norm},
-            {a + "kv_b_proj.weight", DType::BF16, {H * (N + V), R}, &L::kv_b_proj},
-            {a + "g_proj.weight", DType::BF16, {H * V, D}, &L::g_proj},
-            {a + "o_proj.weight", DType::BF16, {D, H * V}, &L::o_proj},
+            {a + "q_a_proj.weight", kBf16Float, {Q, D}, &L::q_a_proj},
+            {a + "q_a_layernorm.weight", kBf16Float, {Q}, &L::q_a_norm},
+            {a + "q_b_proj.weight", kBf16Float, {H * (N + X), Q}, &L::q_b_proj},
+            {a + "kv_a_proj_with_mqa.weight", kBf16Float, {R + X, D}, &L::kv_a_proj},
+            {a + "kv_a_layernorm.weight", kBf16Float, {R}, &L::kv_a_norm},
+            {a + "kv_b_proj.weight", kBf16Float, {H * (N + V), R}, &L::kv_b_proj},
+            {a + "g_proj.weight", kBf16Float, {H * V, D}, &L::g_proj},
+            {a + "o_proj.weight", kBf16Float, {D, H * V}, &L::o_proj},
         });
     }
     if (c.layers[std::size_t(l)].ffn == FfnKind::Dense) {
         const std::int64_t I = c.intermediate_size;
         e.insert(e.end(), {
-            {p + "mlp.gate_proj.weight", DType::BF16, {I, D}, &L::gate_proj},
-            {p + "mlp.up_proj.weight", DType::BF16, {I, D}, &L::up_proj},
-            {p + "mlp.down_proj.weight", DType::BF16, {D, I}, &L::down_proj},
+            {p + "mlp.gate_proj.weight", kBf16Float, {I, D}, &L::gate_proj},
+            {p + "mlp.up_proj.weight", kBf16Float, {I, D}, &L::up_proj},
+            {p + "mlp.down_proj.weight", kBf16Float, {D, I}, &L::down_proj},
         });
     } else {
         const std::string m = p + "block_sparse_moe.";
         const std::int64_t E = c.num_experts, Lt = c.routed_expert_hidden_size, S = c.shared_width();
         e.insert(e.end(), {
-            {m + "gate.weight", DType::BF16, {E, D}, &L::router},
-            {m + "gate.e_score_correction_bias", DType::F32, {E}, &L::router_bias},
-            {m + "routed_expert_down_proj.weight", DType::BF16, {Lt, D}, &L::latent_down},
-            {m + "routed_expert_norm.weight", DType::BF16, {Lt}, &L::latent_norm},
-            {m + "routed_expert_up_proj.weight", DType::BF16, {D, Lt}, &L::latent_up},
+            {m + "gate.weight", kBf16Float, {E, D}, &L::router},
+            {m + "gate.e_score_correction_bias", kF32Float, {E}, &L::router_bias},
+            {m + "routed_expert_down_proj.weight", kBf16Float, {Lt, D}, &L::latent_down},
         });
+        if (c.latent_moe_use_norm) e.push_back({m + "routed_expert_norm.weight", kBf16Float, {Lt}, &L::latent_norm});
+        e.push_back({m + "routed_expert_up_proj.weight", kBf16Float, {D, Lt}, &L::latent_up});
         if (S > 0)
             e.insert(e.end(), {
-                {m + "shared_experts.gate_proj.weight", DType::BF16, {S, D}, &L::shared_gate},
-                {m + "shared_experts.up_proj.weight", DType::BF16, {S, D}, &L::shared_up},
-                {m + "shared_experts.down_proj.weight", DType::BF16, {D, S}, &L::shared_down},
+                {m + "shared_experts.gate_proj.weight", kBf16Float, {S, D}, &L::shared_gate},
+                {m + "shared_experts.up_proj.weight", kBf16Float, {S, D}, &L::shared_up},
+                {m + "shared_experts.down_proj.weight", kBf16Float, {D, S}, &L::shared_down},
             });
     }
     return e;
@@ -637,25 +667,27 @@ struct ModelTensors {
 
 inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
     std::vector<std::string> problems;
-    auto check = [&](const std::string& name, DType dtype, const Shape& shape) -> const Checkpoint::Ref* {
+    auto check = [&](const std::string& name, const DTypes& dtypes, const Shape& shape, std::int64_t at_least = 0) -> const Checkpoint::Ref* {
         const Checkpoint::Ref* r = ck.find(name);
+        const std::string want = dtypes_str(dtypes) + " " + (at_least ? "[n >= " + std::to_string(at_least) + "]" : shape.str());
         if (!r) {
-            problems.push_back(name + ": missing (expected " + dtype_name(dtype) + " " + shape.str() + ")");
+            problems.push_back(name + ": missing (expected " + want + ")");
             return nullptr;
         }
-        if (r->info->dtype != dtype || !(r->info->shape == shape))
-            problems.push_back(name + ": expected " + dtype_name(dtype) + " " + shape.str() + ", found " +
-                               dtype_name(r->info->dtype) + " " + r->info->shape.str());
+        const Shape& got = r->info->shape;
+        const bool shape_ok = at_least ? got.rank == 1 && got[0] >= at_least : got == shape;
+        if (!dtype_allowed(dtypes, r->info->dtype) || !shape_ok)
+            problems.push_back(name + ": expected " + want + ", found " + dtype_name(r->info->dtype) + " " + got.str());
         return r;
     };
     ModelTensors m;
     const std::int64_t D = c.hidden_size, V = c.vocab_size;
     const std::string g = std::string(kPrefix) + "model.";
-    m.embed = check(g + "embed_tokens.weight", DType::BF16, {V, D});
-    m.final_norm = check(g + "norm.weight", DType::BF16, {D});
-    m.out_res_norm = check(g + "output_attn_res_norm.weight", DType::BF16, {D});
-    m.out_res_proj = check(g + "output_attn_res_proj.weight", DType::BF16, {1, D});
-    m.lm_head = check(std::string(kPrefix) + "lm_head.weight", DType::BF16, {V, D});
+    m.embed = check(g + "embed_tokens.weight", kBf16Float, {V, D});
+    m.final_norm = check(g + "norm.weight", kBf16Float, {D});
+    m.out_res_norm = check(g + "output_attn_res_norm.weight", kBf16Float, {D});
+    m.out_res_proj = check(g + "output_attn_res_proj.weight", kBf16Float, {1, D});
+    m.lm_head = check(std::string(kPrefix) + "lm_head.weight", kBf16Float, {V, D});
 
     const auto part_shapes = expert_part_shapes(c);
     m.experts.resize(std::size_t(c.num_hidden_layers));
@@ -664,7 +696,7 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
         lt.layer = l;
         lt.plan = c.layers[std::size_t(l)];
         for (const Expected& e : expected_layer_tensors(c, l)) {
-            const Checkpoint::Ref* r = check(e.name, e.dtype, e.shape);
+            const Checkpoint::Ref* r = check(e.name, e.dtypes, e.shape, e.at_least);
             lt.*(e.member) = r;
             if (r) lt.all.push_back(r);
         }
@@ -674,7 +706,7 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
             ExpertLocation loc;
             bool complete = true;
             for (int p = 0; p < 6; ++p) {
-                loc.parts[std::size_t(p)] = check(expert_name(l, e, p), DType::U8, part_shapes[std::size_t(p)]);
+                loc.parts[std::size_t(p)] = check(expert_name(l, e, p), kU8Only, part_shapes[std::size_t(p)]);
                 complete = complete && loc.parts[std::size_t(p)];
             }
             if (complete) {
@@ -700,12 +732,6 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
     for (const auto& [name, ref] : ck.tensors())
         if (name.find("weight_packed") != std::string::npos && name.find(".block_sparse_moe.experts.") == std::string::npos)
             problems.push_back(clipped(name) + ": MXFP4 weight_packed outside the routed experts (spec 2.4: only experts are packed)");
-    // Shared-expert weights the config says are not there would be skipped (and counted as another
-    // model's tensors by the census): the config and the checkpoint disagree about the model.
-    if (c.num_shared_experts == 0)
-        for (const auto& [name, ref] : ck.tensors())
-            if (name.rfind(kPrefix, 0) == 0 && name.find(".block_sparse_moe.shared_experts.") != std::string::npos)
-                problems.push_back(clipped(name) + ": a shared-expert tensor, but num_shared_experts is 0");
     if (!problems.empty()) fail(ErrorKind::format, detail::problem_list(ck.dir() + ": the checkpoint does not match its config", problems));
     return m;
 }
@@ -759,7 +785,7 @@ inline Census config_census(const Config& c) {
     s.final_bytes = 3 * D * 2;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         std::uint64_t b = 0;
-        for (const Expected& e : expected_layer_tensors(c, l)) b += std::uint64_t(e.shape.numel()) * dtype_size(e.dtype), ++s.tensors;
+        for (const Expected& e : expected_layer_tensors(c, l)) b += std::uint64_t(e.shape.numel()) * dtype_size(e.dtypes[0]), ++s.tensors;
         s.layer_trunk_bytes.push_back(b);
         s.trunk_bytes += b;
     }

@@ -28,7 +28,9 @@
 //                (scale = 1 for k, Dh^-1/2 for q; with scale 1, c == inv exactly)
 //   head norm:   per head h, over its Dh values: mean and inv as rmsnorm with eps;
 //                y[h,i] = ((o[h,i] * inv_h) * w[i]) * sigmoid(g[h,i])      (sigmoid from chapter 00)
-//   n (and Dh) must be multiples of 16. y may alias x (the sum is taken before anything is written).
+//   Any n (and Dh): sums follow chapter 00's lane rule with its tail; the element-wise steps have no
+//   order to keep, so SIMD code runs W at a time and finishes the last n % W in plain code.
+//   y may alias x (the sum is taken before anything is written).
 //   Each product and sum is rounded once, in the order written; there is no FMA.
 //
 // USES     chapter 00 (lanes, hsum16, sum_squares, the SIMD shim, sigmoid)
@@ -59,7 +61,6 @@ inline float rms_inverse(float sum_squares, std::size_t n, float eps) {
 }
 
 inline void rmsnorm_ref(float* y, const float* x, const float* gamma, std::size_t n, float eps) {  // y (n), x (n), gamma (n)
-    require_multiple("rmsnorm", "n", n, kLanes);
     const float inv = rms_inverse(sum_squares_ref(x, n), n, eps);
     for (std::size_t i = 0; i < n; ++i) y[i] = scale_mul(x[i], inv, gamma[i]);
 }
@@ -67,10 +68,11 @@ inline void rmsnorm_ref(float* y, const float* x, const float* gamma, std::size_
 // Bit-identical to rmsnorm_ref; the structural difference: the sum of squares and the final scaling
 // run W lanes at a time.
 inline void rmsnorm_simd(float* y, const float* x, const float* gamma, std::size_t n, float eps) {  // y (n), x (n), gamma (n)
-    require_multiple("rmsnorm", "n", n, kLanes);
-    const simd::f32 inv = simd::splat(rms_inverse(sum_squares_simd(x, n), n, eps));
-    for (std::size_t i = 0; i < n; i += simd::W)
-        simd::store(y + i, scale_mul(simd::load(x + i), inv, simd::load(gamma + i)));
+    const float inv_s = rms_inverse(sum_squares_simd(x, n), n, eps);
+    const simd::f32 inv = simd::splat(inv_s);
+    const std::size_t whole = n / simd::W * simd::W;  // then the last n % W in plain code
+    for (std::size_t i = 0; i < whole; i += simd::W) simd::store(y + i, scale_mul(simd::load(x + i), inv, simd::load(gamma + i)));
+    for (std::size_t i = whole; i < n; ++i) y[i] = scale_mul(x[i], inv_s, gamma[i]);
 }
 
 inline void rmsnorm(float* y, const float* x, const float* gamma, std::size_t n, float eps) {  // y (n), x (n), gamma (n)
@@ -87,15 +89,16 @@ inline constexpr float kL2Eps = 1e-6f;
 inline float l2_factor(float sum_squares, float scale) { return (1.0f / std::sqrt(sum_squares + kL2Eps)) * scale; }
 
 inline void l2norm_ref(float* y, const float* x, std::size_t n, float scale) {  // y (n), x (n)
-    require_multiple("l2norm", "n", n, kLanes);
     const float c = l2_factor(sum_squares_ref(x, n), scale);
     for (std::size_t i = 0; i < n; ++i) y[i] = x[i] * c;
 }
 
 inline void l2norm_simd(float* y, const float* x, std::size_t n, float scale) {  // y (n), x (n)
-    require_multiple("l2norm", "n", n, kLanes);
-    const simd::f32 c = simd::splat(l2_factor(sum_squares_simd(x, n), scale));
-    for (std::size_t i = 0; i < n; i += simd::W) simd::store(y + i, simd::load(x + i) * c);
+    const float c_s = l2_factor(sum_squares_simd(x, n), scale);
+    const simd::f32 c = simd::splat(c_s);
+    const std::size_t whole = n / simd::W * simd::W;
+    for (std::size_t i = 0; i < whole; i += simd::W) simd::store(y + i, simd::load(x + i) * c);
+    for (std::size_t i = whole; i < n; ++i) y[i] = x[i] * c_s;
 }
 
 inline void l2norm(float* y, const float* x, std::size_t n, float scale) {  // y (n), x (n)
@@ -109,7 +112,6 @@ inline void l2norm(float* y, const float* x, std::size_t n, float scale) {  // y
 // their own, scaled by ONE weight vector w (Dh) shared by every head, then gated by sigmoid(g).
 inline void gated_head_norm_ref(float* y, const float* o, const float* g, const float* w, std::size_t heads,
                                 std::size_t dh, float eps) {  // y (H, Dh), o (H, Dh), g (H, Dh), w (Dh)
-    require_multiple("gated_head_norm", "Dh", dh, kLanes);
     for (std::size_t h = 0; h < heads; ++h) {
         const float* oh = o + h * dh;
         const float inv = rms_inverse(sum_squares_ref(oh, dh), dh, eps);
@@ -118,21 +120,24 @@ inline void gated_head_norm_ref(float* y, const float* o, const float* g, const 
 }
 
 // Bit-identical to the reference; the sigmoid is the same scalar function, evaluated into a small
-// buffer, and the products run W lanes at a time.
+// buffer, and the products run W lanes at a time (the last Dh % W in plain code).
 inline void gated_head_norm_simd(float* y, const float* o, const float* g, const float* w, std::size_t heads,
                                  std::size_t dh, float eps) {  // y (H, Dh), o (H, Dh), g (H, Dh), w (Dh)
-    require_multiple("gated_head_norm", "Dh", dh, kLanes);
     float gate[kLanes];  // sigmoid(g) for the 16 values in flight
     for (std::size_t h = 0; h < heads; ++h) {
-        const float* oh = o + h * dh;
-        const simd::f32 inv = simd::splat(rms_inverse(sum_squares_simd(oh, dh), dh, eps));
-        for (std::size_t i = 0; i < dh; i += kLanes) {
-            for (int j = 0; j < kLanes; ++j) gate[j] = sigmoid(g[h * dh + i + std::size_t(j)]);
+        const float *oh = o + h * dh, *gh = g + h * dh;
+        float* yh = y + h * dh;
+        const float inv_s = rms_inverse(sum_squares_simd(oh, dh), dh, eps);
+        const simd::f32 inv = simd::splat(inv_s);
+        const std::size_t whole = full_chunks(dh);
+        for (std::size_t i = 0; i < whole; i += kLanes) {
+            for (int j = 0; j < kLanes; ++j) gate[j] = sigmoid(gh[i + std::size_t(j)]);
             for (int j = 0; j < kLanes; j += simd::W)
-                simd::store(y + h * dh + i + std::size_t(j),
+                simd::store(yh + i + std::size_t(j),
                             scale_mul(simd::load(oh + i + std::size_t(j)), inv, simd::load(w + i + std::size_t(j))) *
                                 simd::load(gate + j));
         }
+        for (std::size_t i = whole; i < dh; ++i) yh[i] = scale_mul(oh[i], inv_s, w[i]) * sigmoid(gh[i]);
     }
 }
 

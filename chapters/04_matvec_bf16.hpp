@@ -33,8 +33,9 @@
 //
 // NUMERICS CONTRACT
 //   y[r] = hsum16(lanes), lane l = sum over i = l, l+16, l+32, ... (in that order) of
-//   bf16_to_f32(W[r][i]) * x[i], each product rounded, then added. `in` must be a multiple of 16; `out`
-//   is anything. Rows are split across threads (never a row's sum), so 1 or N threads give the same bits.
+//   bf16_to_f32(W[r][i]) * x[i], each product rounded, then added. `in` and `out` are anything: the
+//   SIMD kernel runs the whole 16-element chunks in registers and adds the last in % 16 products into
+//   their lanes in plain code (chapter 00's finish_tail), as the reference does. Rows are split across threads (never a row's sum), so 1 or N threads give the same bits.
 //   matmul_bf16 (T tokens): Y[t][r] has exactly the bits of matvec_bf16 on token t alone.
 //
 // USES     chapter 00 (lanes, hsum16, shim, parallel_rows)
@@ -42,7 +43,8 @@
 //
 // SECTIONS
 //   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernel      4.4 dispatch
-//   4.5 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
+//   4.5 matrices stored as F32 or F16 (the same lane rule, widened exactly)
+//   4.6 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
 // ====================================================================================================
 #pragma once
 
@@ -68,10 +70,9 @@ inline float dot_bf16_ref(const bf16* w, const float* x, std::size_t n) {  // w 
 }
 
 // y = W x for T tokens: Y[t][r] = dot(W[r], X[t]). T = 1 is the plain matvec. Token t's outputs start
-// at y + t * ldy (ldy = out unless the caller writes a slice of a wider output, see 4.5).
+// at y + t * ldy (ldy = out unless the caller writes a slice of a wider output, see 4.6).
 inline void matmul_bf16_ref(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    require_multiple("matvec_bf16", "in", cols, kLanes);
     if (ldy == 0) ldy = rows;
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         for (std::size_t r = r0; r < r1; ++r)
@@ -91,20 +92,22 @@ namespace detail {
 // Logical lane held by lane j of accumulator register a (a = 2q + p, p = 0 even, 1 odd).
 constexpr int lane_of(int a, int j) { return (a / 2) * 2 * simd::W + 2 * j + (a % 2); }
 
-// xp = x with every 16-element chunk permuted into register order (16/W registers of W lanes each).
+// xp = x with every whole 16-element chunk permuted into register order (16/W registers of W lanes
+// each); the last n % 16 elements (the tail, added in plain code) stay in natural order.
 inline void permute_input(float* xp, const float* x, std::size_t n) {  // xp (n), x (n)
-    for (std::size_t c = 0; c < n; c += kLanes)
+    const std::size_t full = full_chunks(n);
+    for (std::size_t c = 0; c < full; c += kLanes)
         for (int a = 0; a < simd::kBatchesPer16; ++a)
             for (int j = 0; j < simd::W; ++j) xp[c + std::size_t(a * simd::W + j)] = x[c + std::size_t(lane_of(a, j))];
+    std::copy(x + full, x + n, xp + full);
 }
 
-// The 16 accumulator lanes put back in logical order, then the one tree.
-inline float finish_permuted(const simd::f32* acc) {  // acc (16/W registers)
-    float reg[kLanes], lanes[kLanes];
+// The 16 accumulator lanes put back in logical order (then chapter 00's finish_tail and the one tree).
+inline void lanes_in_order(float lanes[kLanes], const simd::f32* acc) {  // acc (16/W registers)
+    float reg[kLanes];
     for (int a = 0; a < simd::kBatchesPer16; ++a) simd::store(reg + a * simd::W, acc[a]);
     for (int a = 0; a < simd::kBatchesPer16; ++a)
         for (int j = 0; j < simd::W; ++j) lanes[lane_of(a, j)] = reg[a * simd::W + j];
-    return hsum16(lanes);
 }
 
 // Scratch for permuted inputs, one per thread that calls a kernel (kernels call it before forking).
@@ -126,7 +129,8 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
         for (int t = 0; t < NT; ++t)
             for (int a = 0; a < A; ++a) acc[r][t][a] = simd::splat(0.0f);
     const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
-    for (std::size_t c = 0; c < cols; c += kLanes) {
+    const std::size_t full = full_chunks(cols);
+    for (std::size_t c = 0; c < full; c += kLanes) {
         for (int q = 0; q < A / 2; ++q) {       // one u32 load = 2W bf16 = one even + one odd register
             simd::f32 xe[NT], xo[NT];
             for (int t = 0; t < NT; ++t) {
@@ -145,7 +149,14 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) y[std::size_t(t) * y_stride + std::size_t(r)] = finish_permuted(acc[r][t]);
+        for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            lanes_in_order(lanes, acc[r][t]);
+            const bf16* wr = w + std::size_t(r) * cols;
+            const float* xt = xp + std::size_t(t) * x_stride;  // the tail of xp is in natural order
+            y[std::size_t(t) * y_stride + std::size_t(r)] =
+                finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * xt[i]; });
+        }
 }
 
 }  // namespace detail
@@ -157,7 +168,6 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // order of 4.2, and rows (one token) or tokens (several) are processed four at a time.
 inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
                              std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    require_multiple("matvec_bf16", "in", cols, kLanes);
     if (ldy == 0) ldy = rows;
     std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
     for (std::size_t t = 0; t < tokens; ++t) detail::permute_input(xp.data() + t * cols, x + t * cols, cols);
@@ -194,7 +204,90 @@ inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t row
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 4.5 Matrices that arrive in pieces
+// 4.5 Matrices stored as F32 or F16
+// ---------------------------------------------------------------------------------------------------
+// The release stores every dense matrix as bf16, but Moonshot's own code saves whatever dtype a module
+// holds: a checkpoint written from float32 or float16 modules is the same model. Both widen to f32
+// exactly (chapter 00), so the same lane rule gives the products the bits they would have had as f32
+// weights: y[r] = sum over i, element i into lane i % 16, of W[r][i] * x[i]. The reference widens one
+// element at a time; the SIMD path widens a row into a small buffer and runs chapter 00's dot_simd on
+// it (the widening is exact, so where it happens cannot change a bit). These matrices are rare, so
+// this favours one obviously correct kernel over a fast one.
+enum class WeightType : std::uint8_t { bf16, f16, f32 };  // how a dense matrix's elements are stored
+
+inline std::size_t weight_bytes(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
+inline const char* weight_type_name(WeightType t) { return t == WeightType::bf16 ? "BF16" : t == WeightType::f16 ? "F16" : "F32"; }
+
+namespace detail {
+// Element i of a row, exactly as f32. Through memcpy: a row may start at any byte (a data section is
+// not aligned to anything in particular), and memcpy of 2 or 4 bytes compiles to one load.
+inline float widen(WeightType t, const void* row, std::size_t i) {
+    const std::byte* p = static_cast<const std::byte*>(row);
+    if (t == WeightType::f32) {
+        float f;
+        std::memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    std::uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return t == WeightType::bf16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+}  // namespace detail
+
+inline void matmul_wide_ref(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                            std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in) F32 or F16
+    if (ldy == 0) ldy = rows;
+    const std::size_t row_bytes = cols * weight_bytes(type);
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        for (std::size_t r = r0; r < r1; ++r) {
+            const void* wr = static_cast<const std::byte*>(w) + r * row_bytes;
+            for (std::size_t t = 0; t < tokens; ++t) {
+                float acc[kLanes] = {};
+                for (std::size_t i = 0; i < cols; ++i) acc[i % kLanes] = acc[i % kLanes] + detail::widen(type, wr, i) * x[t * cols + i];
+                y[t * ldy + r] = hsum16(acc);
+            }
+        }
+    });
+}
+
+// Bit-identical to matmul_wide_ref (the structural difference: a row is widened once into a buffer,
+// then dot_simd runs on it for every token).
+inline void matmul_wide_simd(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in) F32 or F16
+    if (ldy == 0) ldy = rows;
+    const std::size_t row_bytes = cols * weight_bytes(type);
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        std::vector<float> row(type == WeightType::f32 ? 0 : cols);  // (in) one widened row
+        for (std::size_t r = r0; r < r1; ++r) {
+            const void* wr = static_cast<const std::byte*>(w) + r * row_bytes;
+            const float* wf = static_cast<const float*>(wr);
+            if (type != WeightType::f32) {
+                for (std::size_t i = 0; i < cols; ++i) row[i] = detail::widen(type, wr, i);
+                wf = row.data();
+            }
+            for (std::size_t t = 0; t < tokens; ++t) y[t * ldy + r] = dot_simd(wf, x + t * cols, cols);
+        }
+    });
+}
+
+// One entry point per path for a matrix of any WeightType (bf16 goes to 4.1/4.3), and the dispatcher.
+inline void matmul_typed_ref(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    if (type == WeightType::bf16) return matmul_bf16_ref(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
+    matmul_wide_ref(type, y, x, w, tokens, rows, cols, ldy);
+}
+inline void matmul_typed_simd(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                              std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    if (type == WeightType::bf16) return matmul_bf16_simd(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
+    matmul_wide_simd(type, y, x, w, tokens, rows, cols, ldy);
+}
+inline void matmul_typed(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                         std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    use_simd ? matmul_typed_simd(type, y, x, w, tokens, rows, cols, ldy) : matmul_typed_ref(type, y, x, w, tokens, rows, cols, ldy);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 4.6 Matrices that arrive in pieces
 // ---------------------------------------------------------------------------------------------------
 // A weight matrix is either resident (one pointer) or streamed: chapter 12 delivers its rows in chunks
 // through a small ring of buffers, so that K3's 2.35 GB lm_head or 0.48 GB dense down-projection needs
@@ -203,28 +296,30 @@ inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t row
 struct RowStream {
     virtual ~RowStream() = default;
     // Calls f(r0, r1, rows) for consecutive chunks that cover [0, total rows) in order; `rows` points at
-    // row r0 and stays valid until f returns.
-    virtual void for_each_chunk(const std::function<void(std::size_t r0, std::size_t r1, const bf16* rows)>& f) = 0;
+    // row r0 (in the matrix's WeightType) and stays valid until f returns.
+    virtual void for_each_chunk(const std::function<void(std::size_t r0, std::size_t r1, const void* rows)>& f) = 0;
 };
 
 struct MatrixRef {
-    const bf16* data = nullptr;    // (rows, cols) row-major, when resident
+    const void* data = nullptr;    // (rows, cols) row-major, when resident
     RowStream* stream = nullptr;   // otherwise: rows arrive in chunks
     std::size_t rows = 0, cols = 0;
+    WeightType type = WeightType::bf16;  // the release's; F16 and F32 checkpoints work too (4.5)
+    std::size_t row_bytes() const { return cols * weight_bytes(type); }
 };
 
 // Visits W's rows in order, in one piece when resident or chunk by chunk when streamed: for kernels
 // that need the rows themselves (chapter 08's transposed products), not just W x.
-inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size_t r0, std::size_t r1, const bf16* rows)>& f) {
+inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size_t r0, std::size_t r1, const void* rows)>& f) {
     if (w.data) return f(0, w.rows, w.data);
     if (!w.stream) fail(ErrorKind::runtime, "for_each_rows: a matrix with neither data nor a stream");
     w.stream->for_each_chunk(f);
 }
 
-// y = W x for T tokens, wherever W's rows live.
+// y = W x for T tokens, wherever W's rows live, whatever their WeightType.
 inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
-    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const bf16* rows) {
-        matmul_bf16(y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
+    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
+        matmul_typed(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
     });
 }
 

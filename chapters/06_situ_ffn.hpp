@@ -69,7 +69,7 @@ inline float swiglu(float a, float b) { return silu(a) * b; }
 // ---------------------------------------------------------------------------------------------------
 // 6.2 The dense FFN (layer 0; the shared experts use the same function at width 6144)
 // ---------------------------------------------------------------------------------------------------
-// y = W_down( SiTU(W_gate x, W_up x) ) for T tokens. The weights may be resident or streamed (4.5).
+// y = W_down( SiTU(W_gate x, W_up x) ) for T tokens. The weights may be resident or streamed (4.6), of any WeightType (4.5).
 struct DenseFfnWeights {
     MatrixRef gate;  // (I, D)
     MatrixRef up;    // (I, D)
@@ -91,10 +91,10 @@ inline void dense_ffn_ref(float* y, const float* x, std::size_t tokens, const De
     // y (T, D), x (T, D)
     const std::size_t width = w.gate.rows, dim = w.gate.cols;
     std::vector<float> a(tokens * width), b(tokens * width);
-    matmul_bf16_ref(a.data(), x, w.gate.data, tokens, width, dim);
-    matmul_bf16_ref(b.data(), x, w.up.data, tokens, width, dim);
+    matmul_typed_ref(w.gate.type, a.data(), x, w.gate.data, tokens, width, dim);
+    matmul_typed_ref(w.up.type, b.data(), x, w.up.data, tokens, width, dim);
     situ_glu(a.data(), a.data(), b.data(), tokens * width, s);
-    matmul_bf16_ref(y, a.data(), w.down.data, tokens, dim, width);
+    matmul_typed_ref(w.down.type, y, a.data(), w.down.data, tokens, dim, width);
 }
 
 // ---------------------------------------------------------------------------------------------------

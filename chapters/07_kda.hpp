@@ -33,7 +33,8 @@
 //   Conv: acc = w0*x0, then acc = acc + w_j*x_j for j = 1..W-1 (taps in time order), y = SiLU(acc).
 //   L2 norm (chapter 03): k_hat = l2norm(k, 1), q_hat = l2norm(q, Dh^-1/2), per head.
 //   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(expf(A_log[h]) * z); alpha = expf(g).
-//   A_log is read at index h only (0..H-1 of the zero-padded [Dh] tensor): never per channel (5.1.1).
+//   A_log is read at index h only: entries 0..H-1, whether it is stored [H] (Moonshot's module) or
+//   zero-padded (the release: [128] for 96 heads); never per channel (5.1.1). Any H and Dh work.
 //   Recurrence per head and value row j, in this order: s_ji = s_ji * alpha_i (all i); p = dot16(s_j,
 //   k_hat) (16 lanes + hsum16); c = beta * (v_j - p); s_ji = s_ji + c * k_hat_i (all i); o_j = dot16(s_j,
 //   q_hat). kda_recurrence_simd is bit-identical to _ref. Heads split across threads; a head's rows run
@@ -85,7 +86,7 @@ struct KdaWeights {
     const float* q_conv = nullptr;     // (P, W)   F32 taps, stored [P, 1, W]
     const float* k_conv = nullptr;     // (P, W)
     const float* v_conv = nullptr;     // (P, W)
-    const float* A_log = nullptr;      // (Dh) stored, zero-padded: entries 0..H-1 are used
+    const float* A_log = nullptr;      // (H) used: the release pads it with zeros to [Dh], Moonshot's module is [H]
     const float* dt_bias = nullptr;    // (P) head-major
     const float* o_norm = nullptr;     // (Dh) shared by all heads
 };
@@ -160,9 +161,9 @@ inline void short_conv_step(float* y, const float* x, const float* taps, float* 
 // ---------------------------------------------------------------------------------------------------
 // alpha[c] = exp(lower_bound * sigmoid(exp(A_log[h]) * (f[c] + dt_bias[c]))), h = c / Dh.
 inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A_log, const float* dt_bias, const KdaDims& d) {
-    // alpha (P), g_out (P) or null, f (P), A_log (Dh stored; H used), dt_bias (P)
+    // alpha (P), g_out (P) or null, f (P), A_log (H used; any padding after it is never read), dt_bias (P)
     for (std::size_t h = 0; h < d.heads; ++h) {
-        const float a = std::exp(A_log[h]);  // per HEAD: the padded entries H..Dh-1 are never read
+        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1)
         for (std::size_t i = 0; i < d.head_dim; ++i) {
             const std::size_t c = h * d.head_dim + i;
             const float z = f[c] + dt_bias[c];
@@ -179,7 +180,6 @@ inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A
 inline void kda_recurrence_ref(float* o, float* S, const float* q_hat, const float* k_hat, const float* v,
                                const float* alpha, const float* beta, std::size_t heads, std::size_t dh) {
     // o (P), S (H, Dh, Dh) value-major, q_hat/k_hat/v/alpha (P), beta (H)
-    require_multiple("kda_recurrence", "Dh", dh, kLanes);
     parallel_rows(heads, 4 * dh * dh, [&](std::size_t h0, std::size_t h1) {
         for (std::size_t h = h0; h < h1; ++h) {
             const float *q = q_hat + h * dh, *k = k_hat + h * dh, *a = alpha + h * dh;
@@ -203,12 +203,13 @@ inline void kda_recurrence_ref(float* o, float* S, const float* q_hat, const flo
 }
 
 // Bit-identical to kda_recurrence_ref: the structural difference is that each row is processed W key
-// channels at a time, with the 16 lanes of each sum held in 16/W registers (chapter 00's dot_simd).
+// channels at a time, with the 16 lanes of each sum held in 16/W registers (chapter 00's dot_simd), the
+// last Dh % 16 channels in plain code after the whole chunks (finish_tail).
 inline void kda_recurrence_simd(float* o, float* S, const float* q_hat, const float* k_hat, const float* v,
                                 const float* alpha, const float* beta, std::size_t heads, std::size_t dh) {
     // o (P), S (H, Dh, Dh) value-major, q_hat/k_hat/v/alpha (P), beta (H)
-    require_multiple("kda_recurrence", "Dh", dh, kLanes);
     constexpr int A = simd::kBatchesPer16;
+    const std::size_t full = full_chunks(dh);
     parallel_rows(heads, 4 * dh * dh, [&](std::size_t h0, std::size_t h1) {
         for (std::size_t h = h0; h < h1; ++h) {
             const float *q = q_hat + h * dh, *k = k_hat + h * dh, *al = alpha + h * dh;
@@ -216,7 +217,7 @@ inline void kda_recurrence_simd(float* o, float* S, const float* q_hat, const fl
                 float* s = S + (h * dh + j) * dh;
                 simd::f32 acc[A];
                 for (auto& r : acc) r = simd::splat(0.0f);
-                for (std::size_t i = 0; i < dh; i += kLanes)
+                for (std::size_t i = 0; i < full; i += kLanes)
                     KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
                         const std::size_t at = i + std::size_t(a * simd::W);
                         const simd::f32 sd = simd::load(s + at) * simd::load(al + at);
@@ -225,9 +226,11 @@ inline void kda_recurrence_simd(float* o, float* S, const float* q_hat, const fl
                     }
                 float lanes[kLanes];
                 for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[a]);
-                const simd::f32 c = simd::splat(beta[h] * (v[h * dh + j] - hsum16(lanes)));
+                const float pred = finish_tail(lanes, full, dh, [&](std::size_t i) { return (s[i] = s[i] * al[i]) * k[i]; });
+                const float c_s = beta[h] * (v[h * dh + j] - pred);
+                const simd::f32 c = simd::splat(c_s);
                 for (auto& r : acc) r = simd::splat(0.0f);
-                for (std::size_t i = 0; i < dh; i += kLanes)
+                for (std::size_t i = 0; i < full; i += kLanes)
                     KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
                         const std::size_t at = i + std::size_t(a * simd::W);
                         const simd::f32 su = simd::load(s + at) + c * simd::load(k + at);
@@ -235,7 +238,7 @@ inline void kda_recurrence_simd(float* o, float* S, const float* q_hat, const fl
                         acc[a] = acc[a] + su * simd::load(q + at);
                     }
                 for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[a]);
-                o[h * dh + j] = hsum16(lanes);
+                o[h * dh + j] = finish_tail(lanes, full, dh, [&](std::size_t i) { return (s[i] = s[i] + c_s * k[i]) * q[i]; });
             }
         }
     });
@@ -273,7 +276,6 @@ inline void kda_check(const KdaWeights& w, const KdaDims& d, const KdaState& st)
     shape("b_proj", w.b_proj, H, D);
     shape("g_proj", w.g_proj, P, D);
     shape("o_proj", w.o_proj, D, P);
-    if (H > Dh) fail(ErrorKind::usage, "kda_forward: " + std::to_string(H) + " heads but A_log holds " + std::to_string(Dh));
     if (st.heads != H || st.head_dim != Dh || st.conv != d.conv || st.S.size() != H * Dh * Dh ||
         st.history.size() != 3 * (d.conv - 1) * P)
         fail(ErrorKind::usage, "kda_forward: the state is for " + std::to_string(st.heads) + " heads x " + std::to_string(st.head_dim) +
@@ -321,16 +323,14 @@ inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaW
     linear(y, o_gated.data(), T, w.o_proj);
 }
 
-// The weights of a bound KDA layer, given where its tensors are in memory (chapter 12 or 13 decides).
-template <class At>  // At: const Checkpoint::Ref* -> const std::byte*
-KdaWeights kda_weights(const LayerTensors& t, At&& at) {
-    auto mat = [&](const Checkpoint::Ref* r) {
-        return MatrixRef{reinterpret_cast<const bf16*>(at(r)), nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1])};
-    };
-    auto f32 = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const float*>(at(r)); };
+// The weights of a bound KDA layer, given where its tensors are in memory (chapter 12 or 13 decides):
+// mat(r) is a matrix as the kernels see it, vec(r) a vector tensor widened to f32 (the conv taps, A_log,
+// dt_bias and o_norm are F32 in the release; a BF16 or F16 checkpoint gives the same values exactly).
+template <class Mat, class Vec>  // Mat: const Checkpoint::Ref* -> MatrixRef; Vec: -> const float*
+KdaWeights kda_weights(const LayerTensors& t, Mat&& mat, Vec&& vec) {
     return KdaWeights{mat(t.q_proj),  mat(t.k_proj),  mat(t.v_proj),  mat(t.f_a_proj), mat(t.f_b_proj),
-                      mat(t.b_proj),  mat(t.g_proj),  mat(t.o_proj),  f32(t.q_conv),   f32(t.k_conv),
-                      f32(t.v_conv),  f32(t.A_log),   f32(t.dt_bias), f32(t.o_norm)};
+                      mat(t.b_proj),  mat(t.g_proj),  mat(t.o_proj),  vec(t.q_conv),   vec(t.k_conv),
+                      vec(t.v_conv),  vec(t.A_log),   vec(t.dt_bias), vec(t.o_norm)};
 }
 
 }  // namespace kimik3

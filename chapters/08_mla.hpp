@@ -53,7 +53,7 @@
 //   ctx_h[j] = sum over s ascending of p_s * c_s[j], from +0 (the same transposed product, in f32).
 //   out_h[j] = dot_bf16(W_UV[h][j], ctx_h) (chapter 04's 16-lane row dot).
 //   y = o_proj(attn * G), G = sigmoid(g_proj u) elementwise (scalar sigmoid, from the layer input u).
-//   Shapes: D, Q, R, X, Dv multiples of 16 (checked). Threads split heads (8.5) and matrix rows
+//   Shapes: any widths (the lane rule's tail, chapter 00). Threads split heads (8.5) and matrix rows
 //   (chapter 04), never a sum: any thread count gives the same bits. Prefill of T tokens = T single
 //   steps, bit for bit; a matrix streamed in row chunks = resident, bit for bit.
 //   The naive form (8.6) expands K and V per head and position; it agrees with the absorbed form within
@@ -110,10 +110,10 @@ struct MlaDims {
 
 struct MlaWeights {
     MatrixRef q_a_proj;      // (Q, D)
-    const bf16* q_a_norm;    // (Q)
+    const float* q_a_norm;   // (Q) widened to f32 (bf16 in the release)
     MatrixRef q_b_proj;      // (H*(N+X), Q)
     MatrixRef kv_a_proj;     // (R+X, D)
-    const bf16* kv_a_norm;   // (R)
+    const float* kv_a_norm;  // (R)
     MatrixRef kv_b_proj;     // (H*(N+Dv), R): per head, rows 0..N-1 = W_UK[h], rows N..N+Dv-1 = W_UV[h]
     MatrixRef g_proj;        // (H*Dv, D)
     MatrixRef o_proj;        // (D, H*Dv)
@@ -132,10 +132,10 @@ struct MlaRecord {
 // The kernels the layer is made of, as a table: kMlaRef uses every _ref, kMlaSimd every _simd, and
 // mla_forward picks one (the one dispatch point), so a test can run the whole layer both ways.
 struct MlaKernels {
-    void (*matmul)(float*, const float*, const bf16*, std::size_t, std::size_t, std::size_t, std::size_t);  // 4.1/4.3
+    void (*matmul)(WeightType, float*, const float*, const void*, std::size_t, std::size_t, std::size_t, std::size_t);  // 4.1-4.5
     void (*rmsnorm)(float*, const float*, const float*, std::size_t, float);                                // 3.1
     float (*dot)(const float*, const float*, std::size_t);                                                  // 0.5
-    void (*matvec_t_bf16)(float*, const float*, const bf16*, std::size_t, std::size_t);                     // 8.3
+    void (*matvec_t)(WeightType, float*, const float*, const void*, std::size_t, std::size_t);               // 8.3
     void (*matvec_t_f32)(float*, const float*, const float*, std::size_t, std::size_t, std::size_t);        // 8.3
     void (*matvec_f32)(float*, const float*, const float*, std::size_t, std::size_t, std::size_t);          // 8.4
 };
@@ -143,7 +143,7 @@ struct MlaKernels {
 namespace detail {
 // y = W x for T tokens through a kernel table, wherever W's rows live (chapter 04's `linear`).
 inline void mla_linear(const MlaKernels& k, float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
-    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const bf16* rows) { k.matmul(y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows); });
+    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) { k.matmul(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows); });
 }
 }  // namespace detail
 
@@ -259,7 +259,6 @@ inline std::uint64_t mla_expanded_bytes(const MlaDims& d) { return d.heads * (d.
 // in order. It ACCUMULATES (y += ...), so a matrix whose rows arrive in chunks gives the same bits as a
 // resident one: the caller zeroes y once and feeds the chunks in order.
 inline void matvec_t_bf16_ref(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (cols), x (rows), w (rows, cols)
-    require_multiple("matvec_t_bf16", "cols", cols, kLanes);
     for (std::size_t r = 0; r < rows; ++r)
         for (std::size_t j = 0; j < cols; ++j) y[j] = y[j] + bf16_to_f32(w[r * cols + j]) * x[r];
 }
@@ -296,12 +295,15 @@ inline void matvec_t_block(float* y, const float* x, const bf16* w, std::size_t 
 
 // Bit-identical to matvec_t_bf16_ref: every column still adds rows 0, 1, 2, ... in order, each product
 // rounded, then added. The structural difference: 64 columns stay in registers for the whole row loop
-// (then 16 at a time), instead of y being read and written once per row.
+// (then 16 at a time, then the last cols % 16 columns in plain code), instead of y being read and
+// written once per row. No sum here crosses columns, so a column tail has no lane rule to keep.
 inline void matvec_t_bf16_simd(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (cols), x (rows), w (rows, cols)
-    require_multiple("matvec_t_bf16", "cols", cols, kLanes);
     std::size_t j = 0;
     for (; cols - j >= 4 * kLanes; j += 4 * kLanes) detail::matvec_t_block<4>(y + j, x, w + j, rows, cols);
-    for (; j < cols; j += kLanes) detail::matvec_t_block<1>(y + j, x, w + j, rows, cols);
+    for (; cols - j >= kLanes; j += kLanes) detail::matvec_t_block<1>(y + j, x, w + j, rows, cols);
+    if (j < cols)
+        for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = j; c < cols; ++c) y[c] = y[c] + bf16_to_f32(w[r * cols + c]) * x[r];
 }
 
 inline void matvec_t_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (cols), x (rows), w (rows, cols)
@@ -312,7 +314,6 @@ inline void matvec_t_bf16(float* y, const float* x, const bf16* w, std::size_t r
 // as the rows of W (stride C) and the probabilities as x.
 inline void matvec_t_f32_ref(float* y, const float* x, const float* w, std::size_t rows, std::size_t cols,
                              std::size_t stride) {  // y (cols), x (rows), w (rows, stride)
-    require_multiple("matvec_t_f32", "cols", cols, kLanes);
     for (std::size_t r = 0; r < rows; ++r)
         for (std::size_t j = 0; j < cols; ++j) y[j] = y[j] + w[r * stride + j] * x[r];
 }
@@ -322,7 +323,6 @@ inline void matvec_t_f32_ref(float* y, const float* x, const float* w, std::size
 // on the project's machine).
 inline void matvec_t_f32_simd(float* y, const float* x, const float* w, std::size_t rows, std::size_t cols,
                               std::size_t stride) {  // y (cols), x (rows), w (rows, stride)
-    require_multiple("matvec_t_f32", "cols", cols, kLanes);
     constexpr std::size_t W = simd::W;
     std::size_t j = 0;
     for (; cols - j >= 8 * W; j += 8 * W) {
@@ -334,16 +334,43 @@ inline void matvec_t_f32_simd(float* y, const float* x, const float* w, std::siz
         }
         for (std::size_t a = 0; a < 8; ++a) simd::store(y + j + a * W, acc[a]);
     }
-    for (; j < cols; j += W) {
+    for (; cols - j >= W; j += W) {
         simd::f32 acc = simd::load(y + j);
         for (std::size_t r = 0; r < rows; ++r) acc = acc + simd::load(w + r * stride + j) * simd::splat(x[r]);
         simd::store(y + j, acc);
     }
+    if (j < cols)  // the last cols % W columns, in plain code (column sums: no lanes to keep)
+        for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = j; c < cols; ++c) y[c] = y[c] + w[r * stride + c] * x[r];
 }
 
 inline void matvec_t_f32(float* y, const float* x, const float* w, std::size_t rows, std::size_t cols,
                          std::size_t stride) {  // y (cols), x (rows), w (rows, stride)
     use_simd ? matvec_t_f32_simd(y, x, w, rows, cols, stride) : matvec_t_f32_ref(y, x, w, rows, cols, stride);
+}
+
+// The transposed product over rows of any WeightType (chapter 04, 4.5): bf16 rows as above, F32 rows
+// directly, F16 rows widened (exactly) one at a time into a buffer. Each column still adds rows 0, 1,
+// 2, ... in order, so the three types give the bits the same weights would give as f32.
+namespace detail {
+template <class F32Kernel, class Bf16Kernel>
+inline void matvec_t_typed(F32Kernel f32k, Bf16Kernel bf16k, WeightType type, float* y, const float* x, const void* w,
+                           std::size_t rows, std::size_t cols) {  // y (cols), x (rows), w (rows, cols)
+    if (type == WeightType::bf16) return bf16k(y, x, static_cast<const bf16*>(w), rows, cols);
+    if (type == WeightType::f32) return f32k(y, x, static_cast<const float*>(w), rows, cols, cols);
+    std::vector<float> row(cols);  // (cols) one widened F16 row
+    for (std::size_t r = 0; r < rows; ++r) {
+        for (std::size_t j = 0; j < cols; ++j) row[j] = widen(type, static_cast<const std::byte*>(w) + r * cols * 2, j);
+        f32k(y, x + r, row.data(), 1, cols, cols);
+    }
+}
+}  // namespace detail
+
+inline void matvec_t_typed_ref(WeightType type, float* y, const float* x, const void* w, std::size_t rows, std::size_t cols) {
+    detail::matvec_t_typed(matvec_t_f32_ref, matvec_t_bf16_ref, type, y, x, w, rows, cols);  // y (cols), x (rows), w (rows, cols)
+}
+inline void matvec_t_typed_simd(WeightType type, float* y, const float* x, const void* w, std::size_t rows, std::size_t cols) {
+    detail::matvec_t_typed(matvec_t_f32_simd, matvec_t_bf16_simd, type, y, x, w, rows, cols);  // y (cols), x (rows), w (rows, cols)
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -360,14 +387,14 @@ inline void matvec_f32_ref(float* y, const float* x, const float* w, std::size_t
 // structural difference: four rows at a time share each load of x.
 inline void matvec_f32_simd(float* y, const float* x, const float* w, std::size_t rows, std::size_t cols,
                             std::size_t stride) {  // y (rows), x (cols), w (rows, stride)
-    require_multiple("matvec_f32", "cols", cols, kLanes);
     constexpr int A = simd::kBatchesPer16;
     const std::size_t whole = rows / 4 * 4;  // rows in groups of four, then the rest one by one
+    const std::size_t full = full_chunks(cols);
     for (std::size_t r = 0; r < whole; r += 4) {
         simd::f32 acc[4][A];
         for (auto& row : acc)
             for (auto& v : row) v = simd::splat(0.0f);
-        for (std::size_t i = 0; i < cols; i += kLanes)
+        for (std::size_t i = 0; i < full; i += kLanes)
             KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
                 const simd::f32 xv = simd::load(x + i + std::size_t(a * simd::W));
                 KIMIK3_UNROLL for (std::size_t q = 0; q < 4; ++q)
@@ -376,7 +403,8 @@ inline void matvec_f32_simd(float* y, const float* x, const float* w, std::size_
         float lanes[kLanes];
         for (std::size_t q = 0; q < 4; ++q) {
             for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[q][a]);
-            y[r + q] = hsum16(lanes);
+            const float* row = w + (r + q) * stride;
+            y[r + q] = finish_tail(lanes, full, cols, [&](std::size_t i) { return row[i] * x[i]; });
         }
     }
     for (std::size_t r = whole; r < rows; ++r) y[r] = dot_simd(w + r * stride, x, cols);
@@ -445,17 +473,12 @@ inline void mla_attend(const MlaKernels& k, const MlaHeadQuery* heads, std::size
 // ---------------------------------------------------------------------------------------------------
 // 8.5 The layer, absorbed form
 // ---------------------------------------------------------------------------------------------------
-inline constexpr MlaKernels kMlaRef{matmul_bf16_ref, rmsnorm_ref, dot_ref, matvec_t_bf16_ref, matvec_t_f32_ref, matvec_f32_ref};
-inline constexpr MlaKernels kMlaSimd{matmul_bf16_simd, rmsnorm_simd, dot_simd, matvec_t_bf16_simd, matvec_t_f32_simd, matvec_f32_simd};
+inline constexpr MlaKernels kMlaRef{matmul_typed_ref, rmsnorm_ref, dot_ref, matvec_t_typed_ref, matvec_t_f32_ref, matvec_f32_ref};
+inline constexpr MlaKernels kMlaSimd{matmul_typed_simd, rmsnorm_simd, dot_simd, matvec_t_typed_simd, matvec_t_f32_simd, matvec_f32_simd};
 
 namespace detail {
 inline void mla_check(const MlaWeights& w, const MlaDims& d, const MlaCache& cache, std::size_t tokens, const char* where) {
     const std::string at = std::string(where) + " (layer " + std::to_string(cache.layer()) + ")";
-    require_multiple(at.c_str(), "hidden_size", d.hidden, kLanes);
-    require_multiple(at.c_str(), "q_lora_rank", d.q_lora, kLanes);
-    require_multiple(at.c_str(), "kv_lora_rank", d.kv_lora, kLanes);
-    require_multiple(at.c_str(), "qk_rope_head_dim", d.rope, kLanes);
-    require_multiple(at.c_str(), "v_head_dim", d.v, kLanes);
     const std::size_t H = d.heads, D = d.hidden;
     auto shape = [&](const char* name, const MatrixRef& m, std::size_t rows, std::size_t cols) {
         if (m.rows != rows || m.cols != cols)
@@ -479,18 +502,16 @@ inline void mla_check(const MlaWeights& w, const MlaDims& d, const MlaCache& cac
 inline void mla_project(const MlaKernels& k, float* q, float* gate, const float* u, std::size_t T, const MlaWeights& w,
                         const MlaDims& d, MlaCache& cache) {  // q (T, H*(N+X)), gate (T, H*Dv), u (T, D)
     const std::size_t Q = d.q_lora, R = d.kv_lora, X = d.rope;
-    std::vector<float> gamma_q(Q), gamma_kv(R), cq(T * Q), kva(T * (R + X));  // (Q), (R), (T, Q), (T, C)
-    for (std::size_t i = 0; i < Q; ++i) gamma_q[i] = bf16_to_f32(w.q_a_norm[i]);
-    for (std::size_t i = 0; i < R; ++i) gamma_kv[i] = bf16_to_f32(w.kv_a_norm[i]);
+    std::vector<float> cq(T * Q), kva(T * (R + X));  // (T, Q), (T, C)
     // query: cq = rmsnorm(q_a_proj u, eps 1e-6), Qt = q_b_proj cq
     mla_linear(k, cq.data(), u, T, w.q_a_proj);
-    for (std::size_t t = 0; t < T; ++t) k.rmsnorm(&cq[t * Q], &cq[t * Q], gamma_q.data(), Q, d.eps);
+    for (std::size_t t = 0; t < T; ++t) k.rmsnorm(&cq[t * Q], &cq[t * Q], w.q_a_norm, Q, d.eps);
     mla_linear(k, q, cq.data(), T, w.q_b_proj);
     // latent: [c~ ; k_x] = kv_a_proj u; the cache gets [rmsnorm(c~, eps 1e-6) ; k_x as is]
     mla_linear(k, kva.data(), u, T, w.kv_a_proj);
     for (std::size_t t = 0; t < T; ++t) {
         float* pos = cache.append();
-        k.rmsnorm(pos, &kva[t * (R + X)], gamma_kv.data(), R, d.eps);
+        k.rmsnorm(pos, &kva[t * (R + X)], w.kv_a_norm, R, d.eps);
         std::copy_n(&kva[t * (R + X) + R], X, pos + R);  // not normalised, not rotated (trap 5.1.2)
     }
     // gate: G = sigmoid(g_proj u), from the layer's normalised input u, not from the attention output
@@ -529,14 +550,17 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
     // 8.5.1 absorb: qbar[h][t] = W_UK[h]^T q_nope[t][h]. kv_b_proj's rows come in order (resident: one
     // chunk); each chunk adds its W_UK rows to the heads it touches, heads split across threads.
     std::vector<float> qbar(H * T * R, 0.0f), ctx(H * T * R);  // (H, T, R) each
-    for_each_rows(w.kv_b_proj, [&](std::size_t r0, std::size_t r1, const bf16* rows) {
+    const WeightType kv_type = w.kv_b_proj.type;
+    const std::size_t kv_row = w.kv_b_proj.row_bytes();
+    auto row_at = [&](const void* rows, std::size_t i) { return static_cast<const std::byte*>(rows) + i * kv_row; };
+    for_each_rows(w.kv_b_proj, [&](std::size_t r0, std::size_t r1, const void* rows) {
         if (r1 <= r0) return;
         const std::size_t h0 = r0 / NV, h1 = (r1 - 1) / NV + 1;
         parallel_rows(h1 - h0, T * N * R, [&](std::size_t a, std::size_t b) {
             for (std::size_t h = h0 + a; h < h0 + b; ++h) {
                 const std::size_t i0 = std::max(r0, h * NV), i1 = std::min(r1, h * NV + N);  // W_UK rows here
                 for (std::size_t t = 0; i0 < i1 && t < T; ++t)
-                    k.matvec_t_bf16(&qbar[(h * T + t) * R], &q[(t * H + h) * NX + (i0 - h * NV)], rows + (i0 - r0) * R, i1 - i0, R);
+                    k.matvec_t(kv_type, &qbar[(h * T + t) * R], &q[(t * H + h) * NX + (i0 - h * NV)], row_at(rows, i0 - r0), i1 - i0, R);
             }
         });
     });
@@ -560,13 +584,13 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
     // Heads split across threads; inside that region chapter 04's row split sees in_parallel() and runs
     // inline on its thread (no nested team). Either way rows are independent outputs: the same bits.
     std::vector<float> attn(T * H * Dv);  // (T, H*Dv)
-    for_each_rows(w.kv_b_proj, [&](std::size_t r0, std::size_t r1, const bf16* rows) {
+    for_each_rows(w.kv_b_proj, [&](std::size_t r0, std::size_t r1, const void* rows) {
         if (r1 <= r0) return;
         const std::size_t h0 = r0 / NV, h1 = (r1 - 1) / NV + 1;
         parallel_rows(h1 - h0, T * Dv * R, [&](std::size_t a, std::size_t b) {
             for (std::size_t h = h0 + a; h < h0 + b; ++h) {
                 const std::size_t j0 = std::max(r0, h * NV + N), j1 = std::min(r1, (h + 1) * NV);  // W_UV rows here
-                if (j0 < j1) k.matmul(&attn[h * Dv + (j0 - h * NV - N)], &ctx[h * T * R], rows + (j0 - r0) * R, T, j1 - j0, R, H * Dv);
+                if (j0 < j1) k.matmul(kv_type, &attn[h * Dv + (j0 - h * NV - N)], &ctx[h * T * R], row_at(rows, j0 - r0), T, j1 - j0, R, H * Dv);
             }
         });
     });
@@ -591,7 +615,6 @@ inline void mla_forward(float* y, const float* u, std::size_t tokens, const MlaW
 inline void mla_forward_naive(float* y, const float* u, std::size_t tokens, const MlaWeights& w, const MlaDims& d,
                               MlaCache& cache, MlaRecord* record = nullptr) {  // y (T, D), u (T, D)
     detail::mla_check(w, d, cache, tokens, "mla_forward_naive");
-    require_multiple("mla_forward_naive", "qk_nope_head_dim + qk_rope_head_dim", d.qk(), kLanes);
     const MlaKernels& k = use_simd ? kMlaSimd : kMlaRef;
     const std::size_t T = tokens, H = d.heads, R = d.kv_lora, N = d.nope, X = d.rope, NX = d.qk(), NV = N + d.v, Dv = d.v;
     const std::size_t S0 = cache.length(), S = S0 + T;

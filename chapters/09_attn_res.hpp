@@ -38,7 +38,7 @@
 //   per candidate: inv = rms_inverse(sum_squares(v), D, eps) (chapter 03); s = dot(v, w) * inv.
 //   softmax: m = max s (first max); e_i = expf(s_i - m); denom = sum16(e); pi_i = e_i / denom.
 //   out[j] = sum over i in candidate order (bank first, partial last) of pi_i * v_i[j], from +0.
-//   P + a and P + m are f32 additions (one rounding each). D must be a multiple of 16.
+//   P + a and P + m are f32 additions (one rounding each). D is any width (chapter 00's tail rule).
 //
 // USES     chapter 00 (dot, sum_squares, hsum16), chapter 03 (rms_inverse)
 // RUN      make run-09        TEST   make test-09
@@ -60,19 +60,19 @@ namespace kimik3 {
 // 9.1 The mixer
 // ---------------------------------------------------------------------------------------------------
 struct AttnResWeights {
-    const bf16* norm = nullptr;  // (D) *_res_norm.weight
-    const bf16* proj = nullptr;  // (1, D) *_res_proj.weight
+    const float* norm = nullptr;  // (D) *_res_norm.weight, widened to f32 (bf16 in the release)
+    const float* proj = nullptr;  // (1, D) *_res_proj.weight
 };
 
-// w = norm (x) proj, folded once per use. Exact in f32.
+// w = norm (x) proj, folded once per use. Exact in f32 when both are bf16 (8 + 8 mantissa bits fit
+// in 24); for f32 weights it is the one rounding the reference makes too.
 inline void attn_res_fold(float* w, const AttnResWeights& r, std::size_t dim) {  // w (D)
-    for (std::size_t j = 0; j < dim; ++j) w[j] = bf16_to_f32(r.norm[j]) * bf16_to_f32(r.proj[j]);
+    for (std::size_t j = 0; j < dim; ++j) w[j] = r.norm[j] * r.proj[j];
 }
 
 // The depth softmax over n candidates of one token. weights (n) is optional output (pi).
 inline void attn_res_mix(float* out, const float* const* cand, std::size_t n, const float* w, std::size_t dim, float eps,
                          float* weights = nullptr) {  // out (D), cand: n pointers to (D), w (D)
-    require_multiple("attn_res_mix", "D", dim, kLanes);
     float s[16], e[16];  // n <= 1 + 8 banks at K3; more than 16 candidates is refused below
     if (n == 0 || n > 16) fail(ErrorKind::usage, "attn_res_mix: " + std::to_string(n) + " candidates (1..16 supported)");
     float m = -INFINITY;

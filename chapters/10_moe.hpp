@@ -26,7 +26,8 @@
 // NUMERICS CONTRACT
 //   logits (T, E) by the bf16 matvec of chapter 04; s = sigmoid(logit) (chapter 00); b = s + bias (f32).
 //   Top-k: b descending, ties to the LOWER expert id; a NaN logit is an error (never a silent order).
-//   denom = 16-lane sum of s over the k slots in slot order (hsum16); w = (s / (denom + 1e-20)) * factor.
+//   denom = 16-lane sum of s over the k slots in slot order (hsum16); w = (s / (denom + 1e-20)) * factor
+//   when moe_renormalize and k > 1, else w = s * factor (Moonshot's gate: top-1 is never renormalised).
 //   y_lat[j] = sum over slots in slot order of w * expert_out[j], starting from +0: never split or
 //   reordered by threads. Experts are computed in groups that fit the provider (the next group may be
 //   read meanwhile), each over all the tokens that chose it (chapter 06: T tokens at once = one at a
@@ -73,9 +74,11 @@ struct Routing {
     std::vector<float> scores;       // (T, E) sigmoid scores (kept for examples and tests)
 };
 
-// Routes T tokens from their router logits.
+// Routes T tokens from their router logits. The chosen scores are divided by their sum only when
+// `renormalize` (moe_renormalize) AND k > 1, as Moonshot's gate does: with one expert per token its weight
+// is sigmoid(score) * routed_scaling_factor, not 1.
 inline Routing route(const float* logits, const float* bias, std::size_t tokens, std::size_t experts, std::size_t k,
-                     float scaling, int layer) {  // logits (T, E), bias (E)
+                     float scaling, int layer, bool renormalize = true) {  // logits (T, E), bias (E)
     const std::string at = "layer " + std::to_string(layer) + ": ";
     if (k < 1 || k > 64 || k > experts)
         fail(ErrorKind::usage, at + "top-k of " + std::to_string(k) + " from " + std::to_string(experts) +
@@ -106,10 +109,12 @@ inline Routing route(const float* logits, const float* bias, std::size_t tokens,
         });
         float chosen[kLanes * 4];  // k <= 64, checked above
         for (std::size_t i = 0; i < k; ++i) chosen[i] = s[order[i]];
-        const float denom = sum16(chosen, k) + 1e-20f;
+        const bool divide = renormalize && k > 1;
+        const float denom = divide ? sum16(chosen, k) + 1e-20f : 1.0f;
         for (std::size_t i = 0; i < k; ++i) {
             r.ids[t * k + i] = order[i];
-            r.weights[t * k + i] = (chosen[i] / denom) * scaling;  // the UNBIASED scores, renormalised
+            // the UNBIASED scores, renormalised (x / 1 is x: the no-division case is the same expression)
+            r.weights[t * k + i] = (chosen[i] / denom) * scaling;
         }
     }
     return r;
@@ -163,7 +168,7 @@ struct MoeWeights {
     MatrixRef router;               // (E, D) gate.weight
     const float* router_bias;       // (E) gate.e_score_correction_bias, F32
     MatrixRef latent_down;          // (L, D) routed_expert_down_proj
-    const bf16* latent_norm;        // (L) routed_expert_norm
+    const float* latent_norm;       // (L) routed_expert_norm, widened to f32; null when latent_moe_use_norm is false
     MatrixRef latent_up;            // (D, L) routed_expert_up_proj
     DenseFfnWeights shared;         // (S, D) gate/up, (D, S) down; rows 0 when there are no shared experts
 };
@@ -173,6 +178,7 @@ struct MoeDims {
     std::size_t hidden = 0, experts = 0, k = 0, ffn = 0, latent = 0;  // D, E, K, F, L
     float scaling = 1.0f, eps = 1e-5f;
     Situ situ;
+    bool renormalize = true;  // moe_renormalize (applied only when k > 1)
 
     static MoeDims from(const Config& c, int layer) {
         return MoeDims{layer,
@@ -183,7 +189,8 @@ struct MoeDims {
                        std::size_t(c.routed_expert_hidden_size),
                        c.routed_scaling_factor,
                        c.rms_norm_eps,
-                       Situ{c.situ_beta, c.situ_linear_beta}};
+                       Situ{c.situ_beta, c.situ_linear_beta},
+                       c.moe_renormalize};
     }
 };
 
@@ -199,7 +206,7 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
     // 1-3: router logits, scores, selection and weights
     std::vector<float> logits(T * d.experts);  // (T, E)
     linear(logits.data(), x, T, w.router);
-    Routing r = route(logits.data(), w.router_bias, T, d.experts, K, d.scaling, d.layer);
+    Routing r = route(logits.data(), w.router_bias, T, d.experts, K, d.scaling, d.layer, d.renormalize);
     // 4: the latent down-projection
     std::vector<float> z(T * L);  // (T, L)
     linear(z.data(), x, T, w.latent_down);
@@ -240,9 +247,11 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
             for (std::size_t j = 0; j < L; ++j) acc[j] = acc[j] + wt * eo[j];
         }
     // 7: latent norm (the weighted sum comes BEFORE the norm: trap 5.1.4) and the up-projection
-    std::vector<float> gamma(L), y_norm(T * L), y_routed(T * D);  // (L), (T, L), (T, D)
-    for (std::size_t j = 0; j < L; ++j) gamma[j] = bf16_to_f32(w.latent_norm[j]);
-    for (std::size_t t = 0; t < T; ++t) rmsnorm(&y_norm[t * L], &y_lat[t * L], gamma.data(), L, d.eps);
+    std::vector<float> y_norm(T * L), y_routed(T * D);  // (T, L), (T, D)
+    if (w.latent_norm)
+        for (std::size_t t = 0; t < T; ++t) rmsnorm(&y_norm[t * L], &y_lat[t * L], w.latent_norm, L, d.eps);
+    else
+        y_norm = y_lat;  // latent_moe_use_norm false: the weighted sum goes up as it is
     linear(y_routed.data(), y_norm.data(), T, w.latent_up);
     // 8: shared experts on the full-width x (not the latent z)
     std::vector<float> y_shared(T * D, 0.0f);  // (T, D)

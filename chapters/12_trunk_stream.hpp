@@ -164,30 +164,56 @@ struct UnitBytes {
     std::uint64_t largest_matrix = 0;                      // no piece is ever larger than this
 };
 
-inline bool is_streamable_matrix(DType dtype, const Shape& shape) { return dtype == DType::BF16 && shape.rank == 2 && shape[0] > 1; }
+inline bool is_matrix_dtype(DType d) { return d == DType::BF16 || d == DType::F16 || d == DType::F32; }
+inline bool is_streamable_matrix(DType dtype, const Shape& shape) { return is_matrix_dtype(dtype) && shape.rank == 2 && shape[0] > 1; }
 inline bool is_streamable_matrix(const TensorInfo& t) { return is_streamable_matrix(t.dtype, t.shape); }
 
-// From the config alone (spec 2): the same numbers for a checkpoint and for `kimik3 plan --config`.
+// The resident bytes of a small tensor: kept widened to f32, whatever its stored dtype (12.5).
+inline std::uint64_t small_resident_bytes(const Shape& shape) { return std::uint64_t(shape.numel()) * 4; }
+
+namespace detail {
+// Adds one layer tensor (its dtype, shape) to the per-unit sums.
+inline void add_unit_tensor(UnitBytes& u, std::uint64_t& mat, std::uint64_t& small, DType dtype, const Shape& shape) {
+    if (is_streamable_matrix(dtype, shape)) {
+        const std::uint64_t bytes = std::uint64_t(shape.numel()) * dtype_size(dtype);
+        mat += bytes;
+        u.largest_row = std::max<std::uint64_t>(u.largest_row, bytes / std::uint64_t(shape[0]));
+        u.largest_matrix = std::max(u.largest_matrix, bytes);
+    } else {
+        small += small_resident_bytes(shape);
+    }
+}
+inline void add_lm_head(UnitBytes& u, std::uint64_t bytes, std::uint64_t row_bytes) {
+    u.lm_head = bytes;
+    u.largest_row = std::max(u.largest_row, row_bytes);
+    u.largest_matrix = std::max(u.largest_matrix, u.lm_head);
+}
+}  // namespace detail
+
+// From the config alone, with the release's dtypes (docs/kimi-k3.md section 2): for `kimik3 plan --config`.
 inline UnitBytes unit_bytes(const Config& c) {
     UnitBytes u;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         std::uint64_t mat = 0, small = 0;
-        for (const Expected& e : expected_layer_tensors(c, l)) {
-            const std::uint64_t bytes = std::uint64_t(e.shape.numel()) * dtype_size(e.dtype);
-            if (is_streamable_matrix(e.dtype, e.shape)) {
-                mat += bytes;
-                u.largest_row = std::max<std::uint64_t>(u.largest_row, bytes / std::uint64_t(e.shape[0]));
-                u.largest_matrix = std::max(u.largest_matrix, bytes);
-            } else {
-                small += bytes;
-            }
-        }
+        for (const Expected& e : expected_layer_tensors(c, l)) detail::add_unit_tensor(u, mat, small, e.dtypes[0], e.shape);
         u.layer_matrix.push_back(mat);
         u.layer_small.push_back(small);
     }
-    u.lm_head = std::uint64_t(c.vocab_size) * std::uint64_t(c.hidden_size) * 2;
-    u.largest_row = std::max<std::uint64_t>(u.largest_row, std::uint64_t(c.hidden_size) * 2);
-    u.largest_matrix = std::max(u.largest_matrix, u.lm_head);
+    detail::add_lm_head(u, std::uint64_t(c.vocab_size) * std::uint64_t(c.hidden_size) * 2, std::uint64_t(c.hidden_size) * 2);
+    return u;
+}
+
+// From a bound checkpoint: the same, with every tensor's real dtype (a checkpoint may store F32 or F16).
+inline UnitBytes unit_bytes(const ModelTensors& m) {
+    UnitBytes u;
+    for (const LayerTensors& lt : m.layers) {
+        std::uint64_t mat = 0, small = 0;
+        for (const Checkpoint::Ref* r : lt.all) detail::add_unit_tensor(u, mat, small, r->info->dtype, r->info->shape);
+        u.layer_matrix.push_back(mat);
+        u.layer_small.push_back(small);
+    }
+    const TensorInfo& head = *m.lm_head->info;
+    detail::add_lm_head(u, head.nbytes(), head.nbytes() / std::uint64_t(std::max<std::int64_t>(head.shape[0], 1)));
     return u;
 }
 
@@ -203,8 +229,7 @@ inline std::string plan_error_floor(const Plan& p) {
 // byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert
 // cache); (4) expert cache slots (the cache retained nothing below ~36 GB on K3, so it comes after the
 // trunk); (5) the embedding table (resident, it saves one row read per token: the least per byte).
-inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o) {
-    const UnitBytes u = unit_bytes(c);
+inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o, const UnitBytes& u) {
     Plan p;
     p.budget = budget;
     p.context = o.context;
@@ -212,7 +237,7 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     p.state_bytes = s.kda_state_bytes;
     p.kv_bytes = s.mla_cache_bytes_per_token * o.context;
     for (std::uint64_t b : u.layer_small) p.small_bytes += b;
-    p.small_bytes += s.final_bytes;
+    p.small_bytes += 3 * std::uint64_t(c.hidden_size) * 4;  // model.norm and the output AttnRes pair, widened to f32
     // work buffers of one decode step: activations and projections (a few widths of D, P, I, V)
     const std::uint64_t widest = std::max({std::uint64_t(c.intermediate_size), std::uint64_t(c.kda_width()) * 4,
                                            std::uint64_t(c.vocab_size), std::uint64_t(c.num_attention_heads) * c.kv_lora_rank});
@@ -288,6 +313,11 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     if (!p.embed_resident) p.trunk_read_per_token += s.embed_bytes / std::uint64_t(c.vocab_size);
     p.expert_read_per_token = std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * s.expert_bytes;
     return p;
+}
+
+// The plan of a release-layout checkpoint of this config (release dtypes): what `kimik3 plan --config` shows.
+inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o) {
+    return make_plan(c, s, budget, o, unit_bytes(c));
 }
 
 inline std::string describe_plan(const Plan& p, const Config& c) {
@@ -771,14 +801,28 @@ inline TrunkLayout load_trunk(const std::string& dir, const ModelTensors& m) {
 // ---------------------------------------------------------------------------------------------------
 // 12.5 The trunk's weights: small tensors, pinned and streamed matrices, the embedding
 // ---------------------------------------------------------------------------------------------------
+// How a bound matrix tensor's elements are stored, for the kernels (chapter 04, 4.5): the release's
+// BF16, or F16/F32 from a checkpoint saved at another precision (chapter 02 binds no other dtype).
+inline WeightType weight_type(const TensorInfo& t) {
+    if (t.dtype == DType::BF16) return WeightType::bf16;
+    if (t.dtype == DType::F16) return WeightType::f16;
+    if (t.dtype == DType::F32) return WeightType::f32;
+    fail(ErrorKind::format, "tensor '" + t.name + "': dtype " + dtype_name(t.dtype) + " is not a matrix dtype (BF16, F16, F32)");
+}
+
+// A bound 2-D tensor as the kernels see it, given where its bytes are.
+inline MatrixRef matrix_ref(const Checkpoint::Ref* r, const void* bytes) {
+    return MatrixRef{bytes, nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1]), weight_type(*r->info)};
+}
+
 // One streamed matrix: its rows arrive through the ring in pieces of at most chunk_bytes.
 class MatrixStream : public RowStream {
   public:
-    MatrixStream(PieceRing& ring, std::uint32_t id, const PieceSource* src, std::uint64_t offset, std::size_t rows, std::size_t cols,
+    MatrixStream(PieceRing& ring, std::uint32_t id, const PieceSource* src, std::uint64_t offset, std::size_t rows, std::size_t row_bytes,
                  std::uint64_t chunk_bytes)
-        : ring_(ring), id_(id), src_(src), offset_(offset), rows_(rows), row_bytes_(cols * 2),
-          chunk_rows_(std::max<std::size_t>(1, std::size_t(chunk_bytes / (cols * 2)))) {}
-    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const bf16*)>& f) override {
+        : ring_(ring), id_(id), src_(src), offset_(offset), rows_(rows), row_bytes_(row_bytes),
+          chunk_rows_(std::max<std::size_t>(1, std::size_t(chunk_bytes / row_bytes))) {}
+    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const void*)>& f) override {
         for (std::size_t r0 = 0, c = 0; r0 < rows_; r0 += chunk_rows_, ++c) {
             const std::size_t r1 = std::min(rows_, r0 + chunk_rows_);
             const Piece p{id_, std::uint32_t(c), offset_ + r0 * row_bytes_, (r1 - r0) * row_bytes_, src_};
@@ -788,7 +832,7 @@ class MatrixStream : public RowStream {
                 const Piece& p;
                 ~Release() { ring.release(p); }
             } release{ring_, p};
-            f(r0, r1, reinterpret_cast<const bf16*>(bytes));
+            f(r0, r1, bytes);
         }
     }
 
@@ -845,6 +889,28 @@ class TrunkWeights {
             if (progress) progress("load", done, total);
         }
         stats_.startup_bytes = total;
+        // small tensors are kept widened to f32 (exactly; F32 ones as they are): the forward pass reads
+        // every norm, conv tap and bias as f32 whatever dtype the checkpoint chose
+        for (auto [r, mat] : load) {
+            if (mat) continue;
+            Resident& res = resident_.at(r->info);
+            const std::size_t n = std::size_t(r->info->numel());
+            res.f32.resize(n);
+            const std::byte* bytes = res.data();
+            if (r->info->dtype == DType::F32) {
+                if (n) std::memcpy(res.f32.data(), bytes, n * 4);
+            } else if (r->info->dtype == DType::BF16 || r->info->dtype == DType::F16) {
+                const bool b = r->info->dtype == DType::BF16;
+                for (std::size_t i = 0; i < n; ++i) {
+                    std::uint16_t h;
+                    std::memcpy(&h, bytes + 2 * i, 2);  // any alignment: a data section may start anywhere
+                    res.f32[i] = b ? bf16_to_f32(h) : f16_to_f32(h);
+                }
+            } else {
+                fail(ErrorKind::format, "tensor '" + r->info->name + "': dtype " + dtype_name(r->info->dtype) + " is not a float type");
+            }
+            res.buf = AlignedBuffer();  // the raw bytes are no longer needed
+        }
         // one stream per unpinned matrix, ids in layer order
         for (std::size_t l = 0; l < m.layers.size(); ++l)
             if (!plan.pinned[l])
@@ -863,36 +929,41 @@ class TrunkWeights {
     TrunkWeights(const TrunkWeights&) = delete;
     TrunkWeights& operator=(const TrunkWeights&) = delete;
 
-    const std::byte* small(const Checkpoint::Ref* r) const {
+    // A small tensor (norm, AttnRes vector, conv taps, A_log, dt_bias, router bias), widened to f32.
+    const float* vec(const Checkpoint::Ref* r) const {
         auto it = resident_.find(r->info);
-        if (it == resident_.end()) fail(ErrorKind::runtime, "tensor '" + r->info->name + "' is not resident");
-        return it->second.data();
+        if (it == resident_.end() || it->second.f32.size() != std::size_t(r->info->numel()))
+            fail(ErrorKind::runtime, "tensor '" + r->info->name + "' is not a resident small tensor");
+        return it->second.f32.data();
     }
     MatrixRef matrix(const Checkpoint::Ref* r) const {
-        const std::size_t rows = std::size_t(r->info->shape[0]), cols = std::size_t(r->info->shape[1]);
         auto it = resident_.find(r->info);
-        if (it != resident_.end()) return MatrixRef{reinterpret_cast<const bf16*>(it->second.data()), nullptr, rows, cols};
-        return MatrixRef{nullptr, streams_.at(r->info).get(), rows, cols};
+        if (it != resident_.end()) return matrix_ref(r, it->second.data());
+        MatrixRef m = matrix_ref(r, nullptr);
+        m.stream = streams_.at(r->info).get();
+        return m;
     }
     MatrixRef lm_head() const { return matrix(m_.lm_head); }
 
-    // The embedding row of token `id`, widened to f32 (exact).
+    // The embedding row of token `id`, widened to f32 (exact, whatever the table's float dtype).
     void embed_row(float* out, std::int64_t id) {  // out (D)
         const std::size_t D = std::size_t(m_.embed->info->shape[1]);
         if (id < 0 || id >= m_.embed->info->shape[0])
             fail(ErrorKind::usage, "token id " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(m_.embed->info->shape[0]) + ")");
-        const bf16* row;
+        const WeightType type = weight_type(*m_.embed->info);
+        const std::size_t row_bytes = D * weight_bytes(type);
+        const std::byte* row;
         auto it = resident_.find(m_.embed->info);
         if (it != resident_.end()) {
-            row = reinterpret_cast<const bf16*>(it->second.data()) + std::size_t(id) * D;
+            row = it->second.data() + std::size_t(id) * row_bytes;
         } else {
-            row_.resize(D);
+            row_.resize(row_bytes);
             const auto [src, off] = where(m_.embed);
-            pread_exact(src->fd, row_.data(), D * 2, off + std::uint64_t(id) * D * 2, *src->path);
+            pread_exact(src->fd, row_.data(), row_bytes, off + std::uint64_t(id) * row_bytes, *src->path);
             row = row_.data();
             ++stats_.embed_rows;
         }
-        for (std::size_t j = 0; j < D; ++j) out[j] = bf16_to_f32(row[j]);
+        for (std::size_t j = 0; j < D; ++j) out[j] = detail::widen(type, row, j);
     }
 
     RingStats ring_stats() const { return ring_ ? ring_->stats() : RingStats{}; }
@@ -919,7 +990,7 @@ class TrunkWeights {
     void add_stream(const Checkpoint::Ref* r) {
         const auto [src, off] = where(r);
         streams_[r->info] = std::make_unique<MatrixStream>(*ring_, std::uint32_t(streams_.size()), src, off,
-                                                            std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1]), plan_.chunk_bytes);
+                                                            std::size_t(r->info->shape[0]), matrix_ref(r, nullptr).row_bytes(), plan_.chunk_bytes);
     }
 
     const ModelTensors& m_;
@@ -932,11 +1003,12 @@ class TrunkWeights {
     struct Resident {  // a tensor read at start: its bytes begin `skew` into the (O_DIRECT-aligned) buffer
         AlignedBuffer buf;
         std::size_t skew = 0;
+        std::vector<float> f32;  // small tensors: the values widened to f32 (then buf is released)
         const std::byte* data() const { return buf.data() + skew; }
     };
     std::map<const TensorInfo*, Resident> resident_;
     std::map<const TensorInfo*, std::unique_ptr<MatrixStream>> streams_;
-    std::vector<bf16> row_;
+    std::vector<std::byte> row_;
     TrunkStats stats_;
 };
 

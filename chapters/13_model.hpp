@@ -85,7 +85,7 @@ class Model {
         PlanOptions po = o.plan;
         if (!o.budget && !po.expert_slots)  // everything resident: every expert of every layer
             po.expert_slots = std::size_t(config.num_experts) * std::size_t(std::max(1, config.moe_layer_count()));
-        plan = make_plan(config, census, budget, po);
+        plan = make_plan(config, census, budget, po, unit_bytes(tensors));
         if (budget < plan.floor) fail(ErrorKind::budget, plan_error_floor(plan));
         if (o.on_plan) o.on_plan(plan, config);
         if (!o.trunk_dir.empty()) trunk_layout_ = load_trunk(o.trunk_dir, tensors);
@@ -147,14 +147,7 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
     const std::size_t D = std::size_t(c.hidden_size);
     const float eps = c.rms_norm_eps;
     TrunkWeights& tw = model.trunk();
-    auto bf16_at = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const bf16*>(tw.small(r)); };
-    auto f32_at = [&](const Checkpoint::Ref* r) { return reinterpret_cast<const float*>(tw.small(r)); };
-    auto gamma = [&](const Checkpoint::Ref* r) {  // a norm weight, bf16 -> f32 (exact)
-        std::vector<float> g(std::size_t(r->info->numel()));
-        const bf16* b = bf16_at(r);
-        for (std::size_t j = 0; j < g.size(); ++j) g[j] = bf16_to_f32(b[j]);
-        return g;
-    };
+    auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // norms, biases, taps: f32 (chapter 12)
     if (model.experts()) model.experts()->begin_step();
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
@@ -172,31 +165,28 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
         const auto t_layer = clock::now();
         const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
         // [AttnRes attn-mix] -> RMSNorm(input_layernorm)
-        attn_res_fold(w.data(), AttnResWeights{bf16_at(lt.attn_res_norm), bf16_at(lt.attn_res_proj)}, D);
-        const std::vector<float> g_in = gamma(lt.input_norm);
+        attn_res_fold(w.data(), AttnResWeights{vec(lt.attn_res_norm), vec(lt.attn_res_proj)}, D);
         for (std::size_t t = 0; t < T; ++t) {
             res[t].attn_input(&x[t * D], l, c.attn_res_block_size, w.data(), eps);
-            rmsnorm(&u[t * D], &x[t * D], g_in.data(), D, eps);
+            rmsnorm(&u[t * D], &x[t * D], vec(lt.input_norm), D, eps);
         }
         // {KDA | Gated MLA} -> partial += out
         if (lt.plan.attn == AttnKind::KDA) {
             const KdaWeights kw{tw.matrix(lt.q_proj), tw.matrix(lt.k_proj), tw.matrix(lt.v_proj), tw.matrix(lt.f_a_proj),
                                 tw.matrix(lt.f_b_proj), tw.matrix(lt.b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj),
-                                f32_at(lt.q_conv), f32_at(lt.k_conv), f32_at(lt.v_conv), f32_at(lt.A_log),
-                                f32_at(lt.dt_bias), f32_at(lt.o_norm)};
+                                vec(lt.q_conv), vec(lt.k_conv), vec(lt.v_conv), vec(lt.A_log), vec(lt.dt_bias), vec(lt.o_norm)};
             kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), *s.kda[std::size_t(l)]);
         } else {
-            const MlaWeights mw{tw.matrix(lt.q_a_proj), bf16_at(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
-                                bf16_at(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};
+            const MlaWeights mw{tw.matrix(lt.q_a_proj), vec(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
+                                vec(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};
             mla_forward(out.data(), u.data(), T, mw, MlaDims::from(c), *s.mla[std::size_t(l)]);
         }
         for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
         // [AttnRes mlp-mix] -> RMSNorm(post_attention_layernorm)
-        attn_res_fold(w.data(), AttnResWeights{bf16_at(lt.mlp_res_norm), bf16_at(lt.mlp_res_proj)}, D);
-        const std::vector<float> g_post = gamma(lt.post_attn_norm);
+        attn_res_fold(w.data(), AttnResWeights{vec(lt.mlp_res_norm), vec(lt.mlp_res_proj)}, D);
         for (std::size_t t = 0; t < T; ++t) {
             res[t].mix(&x[t * D], w.data(), eps);
-            rmsnorm(&u[t * D], &x[t * D], g_post.data(), D, eps);
+            rmsnorm(&u[t * D], &x[t * D], vec(lt.post_attn_norm), D, eps);
         }
         // {dense SiTU | latent MoE + shared} -> partial += out
         const Situ situ{c.situ_beta, c.situ_linear_beta};
@@ -206,8 +196,8 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             const DenseFfnWeights shared = lt.shared_gate
                                                ? DenseFfnWeights{tw.matrix(lt.shared_gate), tw.matrix(lt.shared_up), tw.matrix(lt.shared_down)}
                                                : DenseFfnWeights{};
-            const MoeWeights mw{tw.matrix(lt.router), f32_at(lt.router_bias), tw.matrix(lt.latent_down),
-                                bf16_at(lt.latent_norm), tw.matrix(lt.latent_up), shared};
+            const MoeWeights mw{tw.matrix(lt.router), vec(lt.router_bias), tw.matrix(lt.latent_down),
+                                lt.latent_norm ? vec(lt.latent_norm) : nullptr, tw.matrix(lt.latent_up), shared};
             moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts());
         }
         for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
@@ -215,12 +205,11 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
     }
     // 3.7 the final mix, model.norm, lm_head
     const auto t_head = clock::now();
-    attn_res_fold(w.data(), AttnResWeights{bf16_at(model.tensors.out_res_norm), bf16_at(model.tensors.out_res_proj)}, D);
-    const std::vector<float> g_final = gamma(model.tensors.final_norm);
+    attn_res_fold(w.data(), AttnResWeights{vec(model.tensors.out_res_norm), vec(model.tensors.out_res_proj)}, D);
     const std::size_t first = all_logits ? 0 : T - 1, n = T - first;
     for (std::size_t t = first; t < T; ++t) {
         res[t].mix(&x[t * D], w.data(), eps);
-        rmsnorm(&u[(t - first) * D], &x[t * D], g_final.data(), D, eps);
+        rmsnorm(&u[(t - first) * D], &x[t * D], vec(model.tensors.final_norm), D, eps);
     }
     linear(logits, u.data(), n, tw.lm_head());
     // A NaN or Inf logit means a weight on the way (lm_head, model.norm, any layer's matrix) or an

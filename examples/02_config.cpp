@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
         const std::string prefix = "language_model.model.layers.3.";
         std::printf("\n2.5 what layer 3 (MLA + MoE) must contain, from the config alone (names after %s)\n", prefix.c_str());
         for (const Expected& e : expected_layer_tensors(c, 3))
-            std::printf("  %-52s %-4s %s\n", e.name.substr(prefix.size()).c_str(), dtype_name(e.dtype), e.shape.str().c_str());
+            std::printf("  %-52s %-4s %s\n", e.name.substr(prefix.size()).c_str(), dtype_name(e.dtypes[0]), e.shape.str().c_str());
 
         std::printf("\n2.6 binding: every tensor found and checked; experts located, not loaded\n");
         Checkpoint ck(dir);

@@ -2,6 +2,7 @@
 // real KDA layer of the tiny K3 run as prefill + decode.
 //   make run-07
 #include <cstdio>
+#include <deque>
 
 #include "../chapters/07_kda.hpp"
 
@@ -43,7 +44,12 @@ int main() {
             return keep.back().bytes.data();
         };
         keep.reserve(64);
-        const KdaWeights w = kda_weights(m.layers[1], at);
+        std::deque<std::vector<float>> widened;  // vector tensors as f32 (the engine widens them at load)
+        auto mat = [&](const Checkpoint::Ref* r) {
+            return MatrixRef{at(r), nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1])};
+        };
+        auto vec = [&](const Checkpoint::Ref* r) { return widened.emplace_back(to_f32(ck.read(r->info->name))).data(); };
+        const KdaWeights w = kda_weights(m.layers[1], mat, vec);
         const KdaDims d = KdaDims::from(c);
         SafetensorsFile ref(dir + "/reference/layers.safetensors");
         const auto u = to_f32(ref.read("layer.1.attn_norm_out"));

@@ -52,7 +52,8 @@ int main() {
         const Tensor qa = load(lt.q_a_proj), qn = load(lt.q_a_norm), qb = load(lt.q_b_proj), kva = load(lt.kv_a_proj),
                      kvn = load(lt.kv_a_norm), kvb = load(lt.kv_b_proj), g = load(lt.g_proj), o = load(lt.o_proj);
         auto mat = [](const Tensor& t) { return MatrixRef{t.bytes.as<bf16>(), nullptr, std::size_t(t.info.shape[0]), std::size_t(t.info.shape[1])}; };
-        const MlaWeights w{mat(qa), qn.bytes.as<bf16>(), mat(qb), mat(kva), kvn.bytes.as<bf16>(), mat(kvb), mat(g), mat(o)};
+        const std::vector<float> q_norm = to_f32(qn), kv_norm = to_f32(kvn);  // norm weights widened to f32
+        const MlaWeights w{mat(qa), q_norm.data(), mat(qb), mat(kva), kv_norm.data(), mat(kvb), mat(g), mat(o)};
         const MlaDims d = MlaDims::from(c);
         const SafetensorsFile ref(dir + "/reference/layers.safetensors");
         const std::vector<float> u = to_f32(ref.read("layer.3.attn_norm_out")), want = to_f32(ref.read("layer.3.attn_out"));

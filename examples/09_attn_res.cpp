@@ -28,7 +28,8 @@ int main() {
         auto fold = [&](const Checkpoint::Ref* norm, const Checkpoint::Ref* proj) {
             const Tensor n = ck.read(norm->info->name), p = ck.read(proj->info->name);
             std::vector<float> w(D);
-            attn_res_fold(w.data(), AttnResWeights{n.bytes.as<bf16>(), p.bytes.as<bf16>()}, D);
+            const std::vector<float> nf = to_f32(n), pf = to_f32(p);
+            attn_res_fold(w.data(), AttnResWeights{nf.data(), pf.data()}, D);
             return w;
         };
         std::printf("9.2 token %zu of the tiny K3: block size %d, so banks at layers 0 4 8 12\n", t, c.attn_res_block_size);

@@ -24,7 +24,8 @@ int main() {
         auto mat = [](const Tensor& t) {
             return MatrixRef{t.bytes.as<bf16>(), nullptr, std::size_t(t.info.shape[0]), std::size_t(t.info.shape[1])};
         };
-        const MoeWeights w{mat(router), bias.bytes.as<float>(), mat(down), norm.bytes.as<bf16>(), mat(up),
+        const std::vector<float> norm_f32 = to_f32(norm);
+        const MoeWeights w{mat(router), bias.bytes.as<float>(), mat(down), norm_f32.data(), mat(up),
                            DenseFfnWeights{mat(sg), mat(su), mat(sd)}};
         const std::size_t T = 5, D = std::size_t(c.hidden_size), E = std::size_t(c.num_experts), K = std::size_t(c.num_experts_per_token);
         // Five inputs: embedding rows of tokens 3, 30, 300, 31, 301, RMS-normalised (as the layer's input is).

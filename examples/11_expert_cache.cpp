@@ -5,6 +5,7 @@
 //   build/g++/examples/11_expert_cache --write-trace FILE   (also writes the trace; this is how
 //                                                            fixtures/traces/tiny.k3trace was made)
 #include <cstdio>
+#include <deque>
 #include <cstring>
 #include <map>
 #include <span>
@@ -62,10 +63,11 @@ int main(int argc, char** argv) {
             return MatrixRef{t.bytes.as<bf16>(), nullptr, std::size_t(t.info.shape[0]), std::size_t(t.info.shape[1])};
         };
         std::map<int, MoeWeights> w;
+        std::deque<std::vector<float>> norms;  // the latent norms, widened to f32
         std::map<int, std::vector<float>> x;  // layer -> (10, D) mlp_norm_out
         for (int l = 1; l <= 12; ++l) {
             const LayerTensors& lt = m.layers[std::size_t(l)];
-            w[l] = MoeWeights{mat(lt.router), load(lt.router_bias).bytes.as<float>(), mat(lt.latent_down), load(lt.latent_norm).bytes.as<bf16>(),
+            w[l] = MoeWeights{mat(lt.router), load(lt.router_bias).bytes.as<float>(), mat(lt.latent_down), norms.emplace_back(to_f32(load(lt.latent_norm))).data(),
                               mat(lt.latent_up), DenseFfnWeights{mat(lt.shared_gate), mat(lt.shared_up), mat(lt.shared_down)}};
             x[l] = to_f32(ref.read("layer." + std::to_string(l) + ".mlp_norm_out"));
         }

@@ -37,7 +37,9 @@ expect "inspect of a directory without a model" 2 "config.json: cannot open" "$b
 mkdir -p "$tmp/refused"
 cp fixtures/tiny-k3/*.safetensors fixtures/tiny-k3/model.safetensors.index.json "$tmp/refused/"
 sed 's/"hidden_act": "situ"/"hidden_act": "silu"/' fixtures/tiny-k3/config.json > "$tmp/refused/config.json"
-expect "a refused config exits 2 naming the field" 2 'text_config.hidden_act: "silu" is not supported' "$bin" inspect "$tmp/refused"
+expect "a refused config exits 2 naming the field" 2 'text_config.hidden_act: "silu" \(K3 uses "situ"\) is an option of Moonshot' "$bin" inspect "$tmp/refused"
+expect "inspect warns about a non-zero A_log pad (Moonshot's code reads one entry per head)" 0 "A_log: 4 of the 4 entries past num_heads \\(20\\) are not zero" "$bin" inspect fixtures/variants/alog-pad
+expect "inspect says which tensors are F32/F16 (read exactly, never rounded)" 0 "F16 matrices: read exactly \\(widened to f32\\), never rounded to bf16" "$bin" inspect fixtures/variants/dtypes
 
 mkdir -p "$tmp/broken"
 cp fixtures/tiny-k3/config.json fixtures/tiny-k3/model.safetensors.index.json "$tmp/broken/"

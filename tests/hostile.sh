@@ -200,7 +200,7 @@ expect "--prompt-file DIR" 2 "$tmp: is a directory, not a regular file" "$bin" r
 for edit in 's/"rms_norm_eps": 1e-05/"rms_norm_eps": 1e300/|rms_norm_eps: 1e\+300 does not fit a 32-bit float' \
             's/"activation_situ_beta": 4.0/"activation_situ_beta": 0/|activation_situ_beta: must be positive' \
             's/"routed_scaling_factor": 1.0/"routed_scaling_factor": -1/|routed_scaling_factor: must be positive' \
-            's/"num_shared_experts": 1/"num_shared_experts": 0/|a shared-expert tensor, but num_shared_experts is 0'; do
+            's/"num_shared_experts": 1/"num_shared_experts": 0/|num_shared_experts: 0 \(a MoE without shared experts\) is an option'; do
     d=$(model nonsense); own "$d" config.json
     sed -i "${edit%%|*}" "$d/config.json"
     expect "refused: ${edit#*|}" 2 "${edit#*|}" "$bin" inspect "$d"

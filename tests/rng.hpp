@@ -26,6 +26,16 @@ struct Rng {
         for (auto& x : v) x = f32_to_bf16(uniform(lo, hi));
         return v;
     }
+    // F16 bit patterns: random sign and mantissa, exponents 2^-14 .. 2^1 (subnormals included when the
+    // exponent field is 0), never Inf or NaN.
+    std::vector<std::uint16_t> f16s(std::size_t n) {
+        std::vector<std::uint16_t> v(n);
+        for (auto& x : v) {
+            const std::uint32_t b = gen();
+            x = std::uint16_t((b & 0x83FFu) | ((b >> 16) % 17u) << 10);
+        }
+        return v;
+    }
 };
 
 }  // namespace kimik3::test

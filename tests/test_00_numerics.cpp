@@ -74,10 +74,19 @@ TEST_CASE("0.2 f32 -> bf16 worked by hand: ties go to the even mantissa") {
     CHECK(f32_to_bf16(-0.0f) == 0x8000);
 }
 
-TEST_CASE("0.3 a reduction width that is not a multiple of 16 is refused, naming the function") {
-    std::vector<float> a(32, 1.0f);  // room for a full block: only the check is under test
-    CHECK_THROWS_WITH_AS(dot_ref(a.data(), a.data(), 17), "dot_ref: n = 17 is not a multiple of 16", Error);
-    CHECK_THROWS_AS(dot_simd(a.data(), a.data(), 17), Error);
+TEST_CASE("0.3 require_multiple refuses a width a format fixes, naming the function (MXFP4's 32, chapter 05)") {
+    CHECK_NOTHROW(require_multiple("f", "in", 64, 32));
+    CHECK_THROWS_WITH_AS(require_multiple("matvec_mxfp4", "in", 48, 32), "matvec_mxfp4: in = 48 is not a multiple of 32", Error);
+}
+
+TEST_CASE("0.5 a tail worked by hand: n = 18 puts elements 16 and 17 into lanes 0 and 1, after 0 and 1") {
+    // b = ones; a0 = 2^24, a16 = 1, a17 = 1, a1 = 1: lane 0 = (2^24 + 1) -> 2^24 (tie to even), lane 1 = 2,
+    // exactly as for n = 32 with zeros after element 17: the tail is the same additions, in the same lanes.
+    std::vector<float> a(18, 0.0f), b(18, 1.0f);
+    a[0] = 0x1p24f;
+    a[1] = a[16] = a[17] = 1.0f;
+    CHECK(dot_ref(a.data(), b.data(), 18) == 0x1p24f + 2.0f);
+    CHECK(dot_simd(a.data(), b.data(), 18) == 0x1p24f + 2.0f);
 }
 
 TEST_CASE("0.4 the SIMD shim picks a 4- or 8-wide architecture") {
@@ -120,15 +129,17 @@ TEST_CASE("0.5 dot: element i goes into lane i % 16 (worked by hand)") {
 
 TEST_CASE("0.5 dot_simd is bit-identical to dot_ref on seeded random inputs and planted edge values") {
     test::Rng rng(1234);
-    for (std::size_t n : {16u, 32u, 48u, 64u, 128u, 1008u, 4096u, 7168u}) {
+    for (std::size_t n : {1u, 2u, 7u, 8u, 9u, 15u, 16u, 17u, 24u, 31u, 32u, 33u, 47u, 48u, 64u, 100u, 128u, 168u, 1008u, 4095u,
+                          4096u, 7168u}) {
         auto a = rng.floats(n, -2.0f, 2.0f), b = rng.floats(n, -3.0f, 3.0f);
         // planted: -0, a denormal, and one product near 2^23 whose ulp (1) is coarse next to the other
         // terms (|a b| < 6), so every other term's place in the order of additions shows in the last bits
         // (a product large enough to swamp the rest, or to overflow sum_squares, would hide the order)
+        CAPTURE(n);
         a[0] = -0.0f;
         a[n / 2] = 3000.0f;
         b[n / 2] = 2900.0f;
-        a[n - 1] = std::bit_cast<float>(0x00000003u);
+        if (n > 2) a[n - 1] = std::bit_cast<float>(0x00000003u);
         std::vector<float> got = {dot_simd(a.data(), b.data(), n)}, want = {dot_ref(a.data(), b.data(), n)};
         CHECK_BITS_EQ(got, want);
         std::vector<float> g2 = {sum_squares_simd(a.data(), n)}, w2 = {sum_squares_ref(a.data(), n)};
@@ -162,15 +173,13 @@ TEST_CASE("0.8 parallel_rows visits every row exactly once, for any thread count
         }
     }
     set_threads(2);
-#ifdef _OPENMP
     // tests/main.cpp lowers the threshold to 1, so even 8 rows of one multiply-add each are split: a
     // "1 thread vs 2 threads" test elsewhere really compares two different splits.
     REQUIRE(parallel_min_work() == 1);
     std::vector<int> owner(8, -1);
     parallel_rows(owner.size(), 1, [&](std::size_t b, std::size_t e) {
-        for (std::size_t r = b; r < e; ++r) owner[r] = omp_get_thread_num();
+        for (std::size_t r = b; r < e; ++r) owner[r] = thread_index();
     });
     CHECK(owner.front() == 0);
     CHECK(owner.back() == 1);
-#endif
 }

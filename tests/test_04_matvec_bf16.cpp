@@ -36,7 +36,7 @@ TEST_CASE("4.3 matmul_bf16_simd is bit-identical to the reference for every shap
     test::Rng rng(41);
     int cases = 0;
     for (std::size_t rows : {1u, 3u, 4u, 5u, 64u, 333u})
-        for (std::size_t cols : {16u, 32u, 48u, 64u, 1024u})
+        for (std::size_t cols : {1u, 15u, 16u, 17u, 31u, 32u, 33u, 48u, 64u, 168u, 1024u})
             for (std::size_t tokens : {1u, 2u, 3u, 4u, 5u, 9u}) {
                 auto w = rng.bf16s(rows * cols, -2.0f, 2.0f);
                 auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
@@ -52,7 +52,7 @@ TEST_CASE("4.3 matmul_bf16_simd is bit-identical to the reference for every shap
                 CHECK_BITS_EQ(b, a);
                 ++cases;
             }
-    CHECK(cases == 180);
+    CHECK(cases == 396);
 }
 
 TEST_CASE("4.3 T tokens at once give, row by row, exactly the bits of T single matvecs") {
@@ -94,23 +94,36 @@ TEST_CASE("4.4 matvec_bf16 agrees with the float64 reference within 1e-6 relativ
     CHECK_REL_WITHIN(y, want, 1e-6);
 }
 
-TEST_CASE("4.4 an input width that is not a multiple of 16 is refused") {
-    std::vector<bf16> w(64, 0x3F80);
-    std::vector<float> x(64, 1.0f), y(2);
-    CHECK_THROWS_WITH_AS(matvec_bf16(y.data(), x.data(), w.data(), 2, 24), "matvec_bf16: in = 24 is not a multiple of 16", Error);
+TEST_CASE("4.4 an input width off the 16 lanes (24) worked by hand: columns 16..23 go into lanes 0..7") {
+    // w = 1 everywhere (bf16 0x3F80), x_i = 2^20 for i = 0 and 16, 1 for i = 1 and 17, 0 elsewhere.
+    //   lane 0: 2^20 + 2^20 = 2^21; lane 1: 1 + 1 = 2; the tree: 2^21 + 2 (exact). A tail added into
+    //   lane 16 % 16 = 0 after element 0 is the contract; any other lane would give the same value
+    //   here, so the second row plants a sum where the lane matters: x_0 = 2^24, x_16 = 1, x_8 = 1:
+    //   lane 0: 2^24 + 1 -> 2^24 (tie to even); lane 8: 1; tree: s8[0] = 2^24 + 1 -> 2^24 ... = 2^24.
+    //   Had element 16 gone into lane 8 with x_8, lane 8 = 2 and the tree 2^24 + 2.
+    std::vector<bf16> w(48, 0x3F80);
+    std::vector<float> x(48, 0.0f), y(2);
+    x[0] = x[16] = 0x1p20f, x[1] = x[17] = 1.0f;
+    x[24] = 0x1p24f, x[24 + 16] = 1.0f, x[24 + 8] = 1.0f;
+    for (auto kernel : {matmul_bf16_ref, matmul_bf16_simd}) {
+        kernel(y.data(), x.data(), w.data(), 2, 1, 24, 1);  // token 0 and token 1 (x rows of 24)
+        CHECK(y[0] == 0x1p21f + 2.0f);
+        CHECK(y[1] == 0x1p24f);
+    }
 }
 
 namespace {
 // Delivers a resident matrix's rows in chunks of the given sizes (copied, so the kernel sees new memory).
 struct ChunkedRows : RowStream {
-    const bf16* w;
-    std::size_t rows, cols, chunk;
+    const std::byte* w;
+    std::size_t rows, row_bytes, chunk;
     int chunks_seen = 0;
-    ChunkedRows(const bf16* w_, std::size_t r, std::size_t c, std::size_t k) : w(w_), rows(r), cols(c), chunk(k) {}
-    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const bf16*)>& f) override {
+    ChunkedRows(const void* w_, std::size_t r, std::size_t rb, std::size_t k)
+        : w(static_cast<const std::byte*>(w_)), rows(r), row_bytes(rb), chunk(k) {}
+    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const void*)>& f) override {
         for (std::size_t r0 = 0; r0 < rows; r0 += chunk) {
             const std::size_t r1 = std::min(rows, r0 + chunk);
-            std::vector<bf16> copy(w + r0 * cols, w + r1 * cols);
+            std::vector<std::byte> copy(w + r0 * row_bytes, w + r1 * row_bytes);
             f(r0, r1, copy.data());
             ++chunks_seen;
         }
@@ -118,7 +131,7 @@ struct ChunkedRows : RowStream {
 };
 }  // namespace
 
-TEST_CASE("4.5 a matrix streamed in row chunks of any size gives exactly the bits of the resident one") {
+TEST_CASE("4.6 a matrix streamed in row chunks of any size gives exactly the bits of the resident one") {
     test::Rng rng(45);
     const std::size_t rows = 301, cols = 256, tokens = 5;
     auto w = rng.bf16s(rows * cols);
@@ -126,11 +139,61 @@ TEST_CASE("4.5 a matrix streamed in row chunks of any size gives exactly the bit
     std::vector<float> resident(tokens * rows), streamed(tokens * rows);
     linear(resident.data(), x.data(), tokens, MatrixRef{w.data(), nullptr, rows, cols});
     for (std::size_t chunk : {1u, 7u, 64u, 300u, 301u, 1000u}) {
-        ChunkedRows s(w.data(), rows, cols, chunk);
+        ChunkedRows s(w.data(), rows, cols * 2, chunk);
         std::fill(streamed.begin(), streamed.end(), -1.0f);
         linear(streamed.data(), x.data(), tokens, MatrixRef{nullptr, &s, rows, cols});
         CAPTURE(chunk);
         CHECK(s.chunks_seen == int((rows + chunk - 1) / chunk));
+        CHECK_BITS_EQ(streamed, resident);
+    }
+}
+
+TEST_CASE("4.5 F32 and F16 matrices: SIMD = reference bit for bit, and = the same values as F32 (so BF16 = widened F32 too)") {
+    test::Rng rng(46);
+    int cases = 0;
+    for (std::size_t rows : {1u, 4u, 7u, 33u})
+        for (std::size_t cols : {1u, 15u, 16u, 17u, 48u, 168u})
+            for (std::size_t tokens : {1u, 3u}) {
+                const auto h = rng.f16s(rows * cols);
+                const auto b = rng.bf16s(rows * cols, -2.0f, 2.0f);
+                auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
+                x[0] = 1e-39f;  // a denormal input
+                std::vector<float> hf(rows * cols), bf(rows * cols);  // the same values as F32 weights
+                for (std::size_t i = 0; i < rows * cols; ++i) hf[i] = f16_to_f32(h[i]), bf[i] = bf16_to_f32(b[i]);
+                std::vector<float> ref(tokens * rows), got(tokens * rows), as_f32(tokens * rows);
+                CAPTURE(rows);
+                CAPTURE(cols);
+                CAPTURE(tokens);
+                for (WeightType t : {WeightType::f16, WeightType::f32}) {
+                    const void* w = t == WeightType::f16 ? static_cast<const void*>(h.data()) : static_cast<const void*>(hf.data());
+                    matmul_typed_ref(t, ref.data(), x.data(), w, tokens, rows, cols);
+                    matmul_typed_simd(t, got.data(), x.data(), w, tokens, rows, cols);
+                    CHECK_BITS_EQ(got, ref);
+                }
+                matmul_typed_ref(WeightType::f32, as_f32.data(), x.data(), hf.data(), tokens, rows, cols);
+                matmul_typed_simd(WeightType::f16, got.data(), x.data(), h.data(), tokens, rows, cols);
+                CHECK_BITS_EQ(got, as_f32);  // F16 weights = their F32 values, bit for bit
+                matmul_typed_simd(WeightType::f32, as_f32.data(), x.data(), bf.data(), tokens, rows, cols);
+                matmul_typed_simd(WeightType::bf16, got.data(), x.data(), b.data(), tokens, rows, cols);
+                CHECK_BITS_EQ(got, as_f32);  // the bf16 kernel = the f32 kernel on the widened values
+                ++cases;
+            }
+    CHECK(cases == 48);
+}
+
+TEST_CASE("4.6 an F16 or F32 matrix streamed in row chunks gives the bits of the resident one") {
+    test::Rng rng(47);
+    const std::size_t rows = 37, cols = 40, tokens = 3;
+    const auto h = rng.f16s(rows * cols);
+    const auto f = rng.floats(rows * cols);
+    const auto x = rng.floats(tokens * cols);
+    for (WeightType t : {WeightType::f16, WeightType::f32}) {
+        const void* w = t == WeightType::f16 ? static_cast<const void*>(h.data()) : static_cast<const void*>(f.data());
+        std::vector<float> resident(tokens * rows), streamed(tokens * rows);
+        linear(resident.data(), x.data(), tokens, MatrixRef{w, nullptr, rows, cols, t});
+        ChunkedRows s(w, rows, cols * weight_bytes(t), 5);
+        linear(streamed.data(), x.data(), tokens, MatrixRef{nullptr, &s, rows, cols, t});
+        CHECK(s.chunks_seen == 8);
         CHECK_BITS_EQ(streamed, resident);
     }
 }

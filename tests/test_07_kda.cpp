@@ -12,7 +12,8 @@ namespace {
 const int kKdaLayers[] = {0, 1, 2, 4, 5, 6, 8, 9, 10};
 
 KdaWeights tiny_kda(test::Tiny& tiny, int l) {
-    return kda_weights(tiny.tensors.layers[std::size_t(l)], [&](const Checkpoint::Ref* r) { return tiny.bytes(r); });
+    return kda_weights(tiny.tensors.layers[std::size_t(l)], [&](const Checkpoint::Ref* r) { return tiny.mat(r); },
+                       [&](const Checkpoint::Ref* r) { return tiny.f32v(r); });
 }
 
 // the reference stores S key-major [h][i_k][i_v]; ours is value-major [h][i_v][i_k]
@@ -79,7 +80,7 @@ TEST_CASE("7.4 the delta rule worked by hand: a key's value is written, then ove
 
 TEST_CASE("7.4 kda_recurrence_simd is bit-identical to kda_recurrence_ref over many tokens; 1 or 2 threads") {
     test::Rng rng(72);
-    for (std::size_t dh : {16u, 32u, 128u}) {
+    for (std::size_t dh : {1u, 15u, 16u, 17u, 24u, 32u, 33u, 128u}) {
         const std::size_t H = 3, P = H * dh;
         std::vector<float> Sa(H * dh * dh, 0.0f), Sb = Sa, oa(P), ob(P);
         for (int t = 0; t < 6; ++t) {

@@ -12,7 +12,7 @@ std::vector<float> row(const std::vector<float>& m, std::size_t t, std::size_t d
 }
 
 AttnResWeights mixer(test::Tiny& tiny, const Checkpoint::Ref* norm, const Checkpoint::Ref* proj) {
-    return AttnResWeights{tiny.bf16s(norm), tiny.bf16s(proj)};
+    return AttnResWeights{tiny.f32v(norm), tiny.f32v(proj)};
 }
 
 }  // namespace
@@ -22,7 +22,7 @@ TEST_CASE("9.1 a two-candidate mix worked by hand") {
     // v2 = sixteen -3s: normalised to -1s, s2 = -16. pi = softmax(16, -16) = (1/(1+e^-32), e^-32/(1+e^-32)).
     // The mix of RAW values: pi1 * 2 + pi2 * (-3). With eps = 0 every step is exact up to the exp.
     std::vector<float> v1(16, 2.0f), v2(16, -3.0f), w(16), out(16), pi(2);
-    std::vector<bf16> ones(16, 0x3F80);
+    std::vector<float> ones(16, 1.0f);
     attn_res_fold(w.data(), AttnResWeights{ones.data(), ones.data()}, 16);
     for (float x : w) CHECK(x == 1.0f);
     const float* c[2] = {v1.data(), v2.data()};
@@ -93,7 +93,7 @@ TEST_CASE("9.2 every AttnRes mix of the tiny K3 agrees with the float64 referenc
             CHECK_REL_WITHIN(std::vector<float>(pi.begin(), pi.begin() + long(n_mlp)), row(ref.f32(p + "mlp_mix_weights"), t, n_mlp), 1e-5);
             r.add(row(ref.f32(p + "mlp_out"), t, D).data());
         }
-        attn_res_fold(wf.data(), AttnResWeights{tiny.bf16s(tiny.tensors.out_res_norm), tiny.bf16s(tiny.tensors.out_res_proj)}, D);
+        attn_res_fold(wf.data(), AttnResWeights{tiny.f32v(tiny.tensors.out_res_norm), tiny.f32v(tiny.tensors.out_res_proj)}, D);
         CHECK(r.candidates().size() == 5);  // B_0..B_3 + the partial of layer 12 (spec 3.10)
         r.mix(x.data(), wf.data(), eps, pi.data());
         CHECK_REL_WITHIN(x, row(ref.f32("final.mix_out"), t, D), 1e-5);

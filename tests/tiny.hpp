@@ -15,6 +15,7 @@ struct Tiny {
     Checkpoint ck;
     ModelTensors tensors;
     std::map<const TensorInfo*, AlignedBuffer> loaded;
+    std::map<const TensorInfo*, std::vector<float>> widened;
 
     Tiny() : config(load_config(source_path("fixtures/tiny-k3"))), ck(source_path("fixtures/tiny-k3")), tensors(bind_tensors(ck, config)) {}
 
@@ -31,7 +32,16 @@ struct Tiny {
     const bf16* bf16s(const Checkpoint::Ref* r) { return reinterpret_cast<const bf16*>(bytes(r)); }
     const float* f32s(const Checkpoint::Ref* r) { return reinterpret_cast<const float*>(bytes(r)); }
     MatrixRef mat(const Checkpoint::Ref* r) {
-        return MatrixRef{bf16s(r), nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1])};
+        const DType d = r->info->dtype;
+        const WeightType t = d == DType::F32 ? WeightType::f32 : d == DType::F16 ? WeightType::f16 : WeightType::bf16;
+        return MatrixRef{bytes(r), nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1]), t};
+    }
+    // A vector tensor widened to f32 once and kept (what the engine's TrunkWeights::vec gives).
+    const float* f32v(const Checkpoint::Ref* r) {
+        REQUIRE(r != nullptr);
+        auto it = widened.find(r->info);
+        if (it == widened.end()) it = widened.emplace(r->info, vec(r)).first;
+        return it->second.data();
     }
     std::vector<float> vec(const Checkpoint::Ref* r) {  // any float vector widened to f32
         return to_f32(Tensor{*r->info, [&] {

@@ -9,9 +9,9 @@ namespace kimik3::test {
 inline MoeWeights moe_weights(Tiny& tiny, int l) {
     const LayerTensors& lt = tiny.tensors.layers[std::size_t(l)];
     return MoeWeights{tiny.mat(lt.router),
-                      tiny.f32s(lt.router_bias),
+                      tiny.f32v(lt.router_bias),
                       tiny.mat(lt.latent_down),
-                      tiny.bf16s(lt.latent_norm),
+                      tiny.f32v(lt.latent_norm),
                       tiny.mat(lt.latent_up),
                       DenseFfnWeights{tiny.mat(lt.shared_gate), tiny.mat(lt.shared_up), tiny.mat(lt.shared_down)}};
 }

@@ -1,4 +1,4 @@
-"""k3_reference.py - the Kimi K3 text forward pass in PyTorch, written from ../shared/spec/kimi-k3.md.
+"""k3_reference.py - the Kimi K3 text forward pass in PyTorch, written from docs/kimi-k3.md.
 
 This is the oracle the C++ engine is checked against. It is written for reading: one function per
 spec section, plain tensor code, the equation in a comment at the top of each function.
@@ -125,8 +125,8 @@ class TextConfig:
         self.conv_size = _require(linear, "short_conv_kernel_size", pos_int, lwhere)          # W_c
         _require_equal(linear, "use_full_rank_gate", True, lwhere)
         self.gate_lower_bound = float(_require(linear, "gate_lower_bound", (int, float), lwhere))
-        if not self.gate_lower_bound < 0:
-            raise ConfigError(f"{lwhere}: gate_lower_bound must be negative (the decay is lower_bound * sigmoid(...))")
+        if not -5 <= self.gate_lower_bound < 0:   # the range fla's chunk_kda accepts
+            raise ConfigError(f"{lwhere}: gate_lower_bound must be in [-5, 0) (the decay is lower_bound * sigmoid(...))")
         kda_layers = _require(linear, "kda_layers", (list,), lwhere)
         full_layers = _require(linear, "full_attn_layers", (list,), lwhere)
         # The config's lists are 1-based (trap 5.1.11): layer l is KDA when (l+1) is in kda_layers.
@@ -351,6 +351,14 @@ class K3Reference:
                 self._cache[key] = self.w(name + ".weight", (out_dim, in_dim))
         return self._cache[key]
 
+    def a_log(self, name, heads):
+        """A_log's first `heads` entries. Moonshot's module declares it [num_heads]; the release stores it
+        zero-padded to [head_dim]. Any 1-D length >= heads is accepted; entries past `heads` are never read."""
+        raw = self.ckpt.raw(name)
+        if raw.dim() != 1 or raw.shape[0] < heads or not raw.is_floating_point():
+            raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)}, expected a float vector of >= {heads} entries")
+        return raw[:heads].to(self.dtype)
+
     # --- 3.4 KDA ------------------------------------------------------------------------------
 
     def kda(self, layer, u, dump, state_points):
@@ -383,7 +391,7 @@ class K3Reference:
         # A_log is stored zero-padded to head_dim entries (trap 5.1.1): use entries 0..H-1, per HEAD.
         f = (u @ self.w(p + "f_a_proj.weight", (Dh, D)).T) @ self.w(p + "f_b_proj.weight", (P, Dh)).T
         z = (f + self.w(p + "dt_bias", (P,))).reshape(T, H, Dh)                      # head-major
-        a_log = self.w(p + "A_log", (Dh,))[:H]                                       # [H]
+        a_log = self.a_log(p + "A_log", H)                                           # [H]
         g = c.gate_lower_bound * torch.sigmoid(torch.exp(a_log)[None, :, None] * z)  # [T, H, Dh], in (lb, 0)
         alpha = torch.exp(g)                                                         # per-key-channel decay
 
@@ -490,9 +498,10 @@ class K3Reference:
         # 2. selection on the BIASED scores (the bias affects selection only, trap 5.1.3)
         bias = self.w(p + "gate.e_score_correction_bias", (E,))
         topk_ids = self.topk_lower_id_first(scores + bias, K)                      # [T, K] slot order
-        # 3. weights from the UNBIASED scores of the selected set, renormalised, times the scaling factor
+        # 3. weights from the UNBIASED scores of the selected set, renormalised (Moonshot's gate: only when
+        #    top_k > 1 and moe_renormalize), times the scaling factor
         selected = torch.gather(scores, 1, topk_ids)                               # [T, K]
-        if c.moe_renormalize:
+        if c.moe_renormalize and K > 1:
             topk_weights = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             topk_weights = selected

@@ -157,27 +157,33 @@ CONFIG = {
     },
 }
 
-# Short names for the dimensions (the project's legend).
-D = TEXT_CONFIG["hidden_size"]
-V = TEXT_CONFIG["vocab_size"]
-H_K = TEXT_CONFIG["linear_attn_config"]["num_heads"]
-DH = TEXT_CONFIG["linear_attn_config"]["head_dim"]
-P = H_K * DH
-WC = TEXT_CONFIG["linear_attn_config"]["short_conv_kernel_size"]
-H = TEXT_CONFIG["num_attention_heads"]
-RQ, RKV = TEXT_CONFIG["q_lora_rank"], TEXT_CONFIG["kv_lora_rank"]
-DN, DR, DV = TEXT_CONFIG["qk_nope_head_dim"], TEXT_CONFIG["qk_rope_head_dim"], TEXT_CONFIG["v_head_dim"]
-E, F, LT = TEXT_CONFIG["num_experts"], TEXT_CONFIG["moe_intermediate_size"], TEXT_CONFIG["routed_expert_hidden_size"]
-FS = F * TEXT_CONFIG["num_shared_experts"]
-FD = TEXT_CONFIG["intermediate_size"]
-MLA_LAYERS = [l - 1 for l in FULL_ATTN_LAYERS]
-SHARD1_LAYERS = range(0, 7)     # layers 0..6 in shard 1 (plus the embedding first)
-SHARD2_LAYERS = range(7, 13)    # layers 7..12 in shard 2 (plus the globals after them)
+def use_config(config):
+    """Point the recipes below at the dimensions of `config` (a nested release config). The tiny K3 uses
+    CONFIG; tools/make_variant_k3.py uses it for its small checkpoints of other shapes."""
+    global D, V, H_K, DH, P, WC, H, RQ, RKV, DN, DR, DV, E, F, LT, FS, FD, NUM_LAYERS, MLA_LAYERS, SHARD1_LAYERS, A_LOG_HEADS
+    t = config["text_config"]
+    la = t["linear_attn_config"]
+    # Short names for the dimensions (the project's legend).
+    D, V = t["hidden_size"], t["vocab_size"]
+    H_K, DH, WC = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
+    P = H_K * DH
+    H = t["num_attention_heads"]
+    RQ, RKV = t["q_lora_rank"], t["kv_lora_rank"]
+    DN, DR, DV = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+    E, F, LT = t["num_experts"], t["moe_intermediate_size"], t["routed_expert_hidden_size"]
+    FS = F * t["num_shared_experts"]
+    FD = t["intermediate_size"]
+    NUM_LAYERS = t["num_hidden_layers"]
+    MLA_LAYERS = [l - 1 for l in la["full_attn_layers"]]
+    SHARD1_LAYERS = range(0, (NUM_LAYERS + 1) // 2)   # the first half of the layers in shard 1 (plus the embedding)
+    # A_log: the tiny K3's 4 meaningful per-head values, spread so that per-channel indexing (A_log[i]
+    # with i the channel inside a head, which would read the zero padding for i >= 4) gives a visibly
+    # different decay; entries 4..31 stay exactly 0 like the release's padding (trap 5.1.1). Other head
+    # counts draw theirs from the same spread.
+    A_LOG_HEADS = [-1.5, 0.9, -0.6, 1.8] if H_K == 4 else normal("A_log.heads", (H_K,), 1.2).tolist()
 
-# A_log: 4 meaningful per-head values, spread so that per-channel indexing (A_log[i] with i the
-# channel inside a head, which would read the zero padding for i >= 4) gives a visibly different
-# decay; entries 4..31 stay exactly 0 like the release's padding (trap 5.1.1).
-A_LOG_HEADS = [-1.5, 0.9, -0.6, 1.8]
+
+use_config(CONFIG)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,7 +244,7 @@ def kda_tensors(p):
         t = normal(name, (P, 1, WC), 0.35)
         t[:, 0, WC - 1] += 0.8
         taps.append((name, f32(t)))
-    a_log = torch.zeros(DH, dtype=torch.float32)
+    a_log = torch.zeros(max(DH, H_K), dtype=torch.float32)   # the release's layout: zero-padded to head_dim
     a_log[:H_K] = torch.tensor(A_LOG_HEADS)
     return [
         (f"{p}q_proj.weight", bf16(normal(f"{p}q_proj.weight", (P, D), 1 / math.sqrt(D)))),
@@ -364,12 +370,13 @@ def provenance(script, deps):
             "generator_sha256": " ".join(f"tools/{name}:{sha256_of(os.path.join(TOOLS_DIR, name))}" for name in files)}
 
 
-def write_model(out_dir):
+def write_model(out_dir, shards=None, config=None, meta=None):
+    """The shards (default: the tiny K3's), the index and config.json, in the release layout."""
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"format": "pt", **provenance("make_tiny_k3.py", ["mxfp4.py", "st.py"])}
+    meta = meta or {"format": "pt", **provenance("make_tiny_k3.py", ["mxfp4.py", "st.py"])}
     shard_names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     weight_map, total_size = {}, 0
-    for shard_name, tensors in zip(shard_names, all_shards()):
+    for shard_name, tensors in zip(shard_names, shards or all_shards()):
         st.write(os.path.join(out_dir, shard_name), tensors, meta)
         for name, tensor in tensors:
             weight_map[name] = shard_name
@@ -378,7 +385,7 @@ def write_model(out_dir):
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         f.write(json.dumps(index, indent=2) + "\n")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        f.write(json.dumps(CONFIG, indent=2) + "\n")
+        f.write(json.dumps(config or CONFIG, indent=2) + "\n")
     return shard_names
 
 

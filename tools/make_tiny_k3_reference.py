@@ -1,6 +1,10 @@
-"""make_tiny_k3_reference.py - reference outputs of the tiny K3, computed by the float64 PyTorch reference.
+"""make_tiny_k3_reference.py - reference outputs of a small K3, computed by the float64 PyTorch reference.
 
     /usr/bin/python3 tools/make_tiny_k3_reference.py --model fixtures/tiny-k3 --out fixtures/tiny-k3/reference
+    /usr/bin/python3 tools/make_tiny_k3_reference.py --model fixtures/variants/top1 --out fixtures/variants/top1/reference \
+        --ids-below 248 --no-layers
+(the second form for tools/make_variant_k3.py's checkpoints and the trained little K3: ids drawn below
+--ids-below, or given with --prompt-ids / --tf-ids; --no-layers writes model.safetensors only)
 
 Writes two safetensors files (every float is the float64 value rounded once to float32):
 
@@ -56,6 +60,7 @@ NON_SPECIAL_IDS = 480          # ids 480..511 are the tiny vocabulary's reserved
 # the weights; about 300 KB): run tools/k3_reference.py --dump to get them.
 EXTRA_DUMPS = ("moe.expert_gate_pre", "moe.expert_up_pre", "moe.shared_gate_pre", "moe.shared_up_pre")
 DEPENDENCIES = ["k3_reference.py", "mxfp4.py", "st.py", "make_tiny_k3.py"]
+FIXED_PROMPT = FIXED_TF = None   # set from the command line (a trained model's prompts are real text)
 
 
 def top2_margin(logits):
@@ -92,11 +97,12 @@ def draw_ids(tag, attempt, n):
     return torch.randint(0, NON_SPECIAL_IDS, (n,), generator=generator_for(f"reference:{tag}:{attempt}"))
 
 
+
 def whole_model_fixture(m64, m32):
     """Find seeds that pass the acceptance checks; return (tensors, metadata, log lines)."""
     for attempt in range(100):
-        prompt = draw_ids("prompt", attempt, PROMPT_LEN)
-        tf_ids = draw_ids("tf", attempt, TF_LEN)
+        prompt = torch.tensor(FIXED_PROMPT) if FIXED_PROMPT else draw_ids("prompt", attempt, PROMPT_LEN)
+        tf_ids = torch.tensor(FIXED_TF) if FIXED_TF else draw_ids("tf", attempt, TF_LEN)
         dump = {}
         tf_logits = m64.forward(tf_ids, dump=dump)
         gap_tf = min_router_gap(m64, dump)
@@ -117,6 +123,8 @@ def whole_model_fixture(m64, m32):
               f"{min(gap_tf, gap_greedy):.3e}, float32 argmax agrees: {agree} -> {'ok' if ok else 're-seed'}")
         if ok:
             break
+        if FIXED_PROMPT or FIXED_TF:
+            raise RuntimeError("the given --prompt-ids/--tf-ids do not pass the acceptance checks: choose others")
     else:
         raise RuntimeError("no seed passed the acceptance checks")
     diff_tf = float((tf32 - tf_logits).abs().max())
@@ -192,7 +200,16 @@ def main():
     parser = argparse.ArgumentParser(description="Write the tiny-K3 reference fixtures (float64 PyTorch reference).")
     parser.add_argument("--model", required=True, help="tiny K3 folder, e.g. fixtures/tiny-k3")
     parser.add_argument("--out", required=True, help="output folder, e.g. fixtures/tiny-k3/reference")
+    parser.add_argument("--ids-below", type=int, default=480,
+                        help="draw token ids in 0..N-1 (the tiny vocabulary's reserved specials start at 480)")
+    parser.add_argument("--no-layers", action="store_true", help="write model.safetensors only (no per-layer dump)")
+    parser.add_argument("--prompt-ids", help="comma-separated prompt ids to use instead of drawn ones (a trained model)")
+    parser.add_argument("--tf-ids", help="comma-separated teacher-forcing ids to use instead of drawn ones")
     args = parser.parse_args()
+    global NON_SPECIAL_IDS, FIXED_PROMPT, FIXED_TF
+    NON_SPECIAL_IDS = args.ids_below
+    FIXED_PROMPT = [int(x) for x in args.prompt_ids.split(",")] if args.prompt_ids else None
+    FIXED_TF = [int(x) for x in args.tf_ids.split(",")] if args.tf_ids else None
     torch.set_num_threads(1)   # fixed reduction order in the float32 run, so the metadata is reproducible
     m64 = k3_reference.K3Reference(args.model, torch.float64)
     m32 = k3_reference.K3Reference(args.model, torch.float32)
@@ -201,11 +218,14 @@ def main():
 
     tensors, meta, log = whole_model_fixture(m64, m32)
     st.write(os.path.join(args.out, "model.safetensors"), tensors, {**base_meta, **meta})
-    tensors, meta, log2 = layers_fixture(m64, m32)
-    st.write(os.path.join(args.out, "layers.safetensors"), tensors, {**base_meta, **meta})
+    log2, names = [], ["model.safetensors"]
+    if not args.no_layers:
+        tensors, meta, log2 = layers_fixture(m64, m32)
+        st.write(os.path.join(args.out, "layers.safetensors"), tensors, {**base_meta, **meta})
+        names.append("layers.safetensors")
     for line in log + log2:
         print(line)
-    for name in ("model.safetensors", "layers.safetensors"):
+    for name in names:
         print(f"{os.path.join(args.out, name)}: {os.path.getsize(os.path.join(args.out, name))} bytes")
 
 

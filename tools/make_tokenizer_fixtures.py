@@ -3,6 +3,8 @@ and the agreement corpus. Deterministic; no randomness, no network.
 
   fixtures/tiny-k3/tokenizer_config.json       the tiny K3's 32 specials (ids 480..511)
   fixtures/tokenizer/k3_tokenizer_config.json  K3's 256 specials (ids 163584..163839), spec section 4
+  fixtures/little-k3/tokenizer_config.json     the same 256 specials after little-k3's 4096 BPE ranks:
+                                               K3 id 163584 + k -> 4096 + k (ids 4096..4351)
   fixtures/tokenizer/corpus.json               [{"name", "text", "vocabs"}]: the strings whose ids
                                                tools/tiktoken_oracle.mjs computes with OpenAI's tiktoken
 
@@ -10,6 +12,7 @@ Usage: /usr/bin/python3 tools/make_tokenizer_fixtures.py
 (reads tools/tiny_corpus.txt and chapters/14_unicode_tables.inc, so run it after make_unicode_tables.mjs)
 """
 import json
+import os
 import re
 
 # Spec section 4: the named specials of K3 (absolute ids). `special: false` for the three XTML markers.
@@ -41,6 +44,14 @@ def tiny_named():
     out = {480 + (k - K3_BASE): v for k, v in K3_NAMED.items() if k - K3_BASE < 32}
     out.update({502: "<osagent_mode>", 510: "[UNK]", 511: "[PAD]"})
     return out
+
+
+LITTLE_BPE = 4096   # fixtures/little-k3/tiktoken.model: 256 bytes + 3840 merges (tools/train_tiny_bpe.py)
+
+
+def little_named():
+    # little-k3 keeps all 256 of K3's specials, in K3's order, right after its BPE ranks
+    return {LITTLE_BPE + (k - K3_BASE): v for k, v in K3_NAMED.items()}
 
 
 def unicode_sweep():
@@ -124,6 +135,8 @@ def dump(path, obj):
 def main():
     dump("fixtures/tiny-k3/tokenizer_config.json", config(480, 32, tiny_named()))
     dump("fixtures/tokenizer/k3_tokenizer_config.json", config(K3_BASE, 256, K3_NAMED))
+    os.makedirs("fixtures/little-k3", exist_ok=True)
+    dump("fixtures/little-k3/tokenizer_config.json", config(LITTLE_BPE, 256, little_named()))
     cases = corpus()
     dump("fixtures/tokenizer/corpus.json", cases)
     print(f"corpus: {len(cases)} cases, {sum(len(x['text'].encode('utf-8')) for x in cases)} bytes of UTF-8")

@@ -68,8 +68,28 @@ inline int cmd_inspect(std::vector<std::string> args) {
     line("KDA state", s.kda_state_bytes, std::to_string(c.count(AttnKind::KDA)) + " layers (recurrent state + conv history)");
     line("MLA cache per position", s.mla_cache_bytes_per_token, std::to_string(c.count(AttnKind::MLA)) + " layers x " +
                                                                     std::to_string(c.mla_cache_width()) + " floats");
-    line("smallest memory", make_plan(c, s, 0, PlanOptions{}).floor,
+    line("smallest memory", make_plan(c, s, 0, PlanOptions{}, unit_bytes(m)).floor,
          "the plan's floor at a 4096-token context (kimik3 plan shows what larger budgets buy)");
+    // What the checkpoint stores differently from the release, and what that means (nothing is refused here)
+    std::map<std::string, std::uint64_t> dtypes;  // "F32 matrices" -> count
+    for (const LayerTensors& lt : m.layers)
+        for (const Checkpoint::Ref* r : lt.all)
+            if (r->info->dtype != DType::BF16 && r->info->dtype != DType::F32)
+                ++dtypes[std::string(dtype_name(r->info->dtype)) + (is_streamable_matrix(*r->info) ? " matrices" : " vectors")];
+            else if (r->info->dtype == DType::F32 && is_streamable_matrix(*r->info))
+                ++dtypes["F32 matrices"];
+    for (const auto& [what, n] : dtypes)
+        std::printf("note        %s %s: read exactly (widened to f32), never rounded to bf16\n", thousands(n).c_str(), what.c_str());
+    for (const LayerTensors& lt : m.layers) {
+        if (!lt.A_log) continue;
+        const std::vector<float> a = to_f32(ck.read(lt.A_log->info->name));
+        std::size_t nonzero = 0;
+        for (std::size_t i = std::size_t(c.kda_num_heads); i < a.size(); ++i) nonzero += a[i] != 0.0f;
+        if (nonzero)
+            std::printf("warning     layer %d A_log: %zu of the %zu entries past num_heads (%d) are not zero; Moonshot's code\n"
+                        "            reads only the first %d (one per head), and so does this engine\n",
+                        lt.layer, nonzero, a.size() - std::size_t(c.kda_num_heads), c.kda_num_heads, c.kda_num_heads);
+    }
     return kExitOk;
 }
 

@@ -175,7 +175,7 @@ inline int cmd_synth(std::vector<std::string> args) {
     const auto parts = expert_part_shapes(c);
     for (int l = 0; l < layers; ++l) {
         std::vector<Entry> es;
-        for (const Expected& e : expected_layer_tensors(c, l)) es.push_back(entry(e.name, e.dtype, e.shape));
+        for (const Expected& e : expected_layer_tensors(c, l)) es.push_back(entry(e.name, e.dtypes[0], e.shape));
         if (c.layers[std::size_t(l)].ffn == FfnKind::MoE) {
             std::vector<int> order(static_cast<std::size_t>(experts));
             std::iota(order.begin(), order.end(), 0);
