@@ -27,7 +27,7 @@ inline std::vector<std::tuple<std::string, DType, Shape>> release_tensors(const 
     const std::string g = std::string(kPrefix) + "model.";
     t.push_back({g + "embed_tokens.weight", DType::BF16, Shape{V, D}});
     for (int l = 0; l < c.num_hidden_layers; ++l) {
-        for (const Expected& e : expected_layer_tensors(c, l)) t.push_back({e.name, e.dtype, e.shape});
+        for (const Expected& e : expected_layer_tensors(c, l)) t.push_back({e.name, e.dtypes[0], e.shape});
         if (c.layers[std::size_t(l)].ffn != FfnKind::MoE) continue;
         const auto shapes = expert_part_shapes(c);
         for (int e = 0; e < c.num_experts; ++e)
