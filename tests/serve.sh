@@ -253,6 +253,10 @@ kill $c1 $c2 2>/dev/null
 wait $c1 $c2 2>/dev/null
 check "queue: both clients gone, the server is idle again" wait_health '.busy == false and .queued == 0'
 check "queue: and serves the next request" same "$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
+# a client of a reply that is not streamed gives up after a second: its generation stops too
+curl -s --max-time 1 -o /dev/null -H 'Content-Type: application/json' --data-binary "${long_req/\"stream\":true/\"stream\":false}" "$URL/v1/chat/completions"
+check "disconnect, not streamed: the server is idle again within 10 s" wait_health '.busy == false'
+check "disconnect, not streamed: the generation stopped early (server log)" grep -qE "the client left after [0-9]+ of 8000 tokens" "$tmp/queue.log"
 kill "$SPID"
 
 # ---- --api-key ---------------------------------------------------------------------------------------------
