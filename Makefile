@@ -9,6 +9,8 @@
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
 #   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
+#   make bench-serve     kimik3 serve against kimik3 run, and what state reuse saves (needs node)
+#   make test-serve      kimik3 serve's tests alone (protocol with curl, the openai client, chromium)
 #   make benches         build both benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
@@ -54,28 +56,38 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve benches test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
 
-# ---- deps: the three header-only Debian packages --------------------------------------------------
-# Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
-# or through sudo when available).
-# Every target that compiles depends on it.
-DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp
+# ---- deps: the Debian packages ----------------------------------------------------------------------
+# Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
+# headers is missing (as root, or through sudo when available), and curl and jq (tests/serve.sh). Every
+# target that compiles depends on it. `make test-serve` also installs node, npm and chromium for its
+# client and browser tests.
+DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp /usr/include/httplib.h
 deps:
 	@missing=0; for h in $(DEP_HEADERS); do [ -f $$h ] || missing=1; done; \
 	if [ $$missing = 1 ]; then \
-	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev"; \
+	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev libcpp-httplib-dev"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev libcpp-httplib-dev; \
+	fi; \
+	if ! command -v curl >/dev/null 2>&1 || ! command -v jq >/dev/null 2>&1; then \
+	  echo "deps: installing curl jq (tests/serve.sh)"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq curl jq; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
 all: deps $(TEST_BINS) $(EX_BINS) $(CLI) $(BENCH)
 
 # ---- the command-line program (examples/kimik3.cpp) -------------------------------------------------
-$(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
+# kimik3 serve links Debian's cpp-httplib, a compiled library: its header must see the same feature
+# macros the library was built with (pkg-config cpp-httplib --cflags), or the classes' layouts differ.
+# The page examples/web/index.html is embedded by the assembler (.incbin in cli/serve.hpp).
+HTTPLIB := -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
+$(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.html $(HEADERS) | deps
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+	$(CXX) $(CXXFLAGS) $(HTTPLIB) $< -o $@ $(LDFLAGS) -lcpp-httplib -pthread
 
 # ---- run: the README's first command ---------------------------------------------------------------
 # The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
@@ -101,7 +113,15 @@ $(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
 # test: every chapter's tests, the command-line tests and the fixture freshness check; tests/run.sh
 # prints "N passed, N failed" last.
 test: deps $(TEST_BINS) $(CLI)
-	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/fixtures_fresh.sh
+	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/serve.sh tests/fixtures_fresh.sh
+
+# test-serve: kimik3 serve's protocol, client and browser tests alone (tests/serve.sh), with node, npm
+# and chromium installed first (a failure to install one makes its check say SKIPPED).
+test-serve: deps $(CLI)
+	@for p in node:nodejs npm:npm chromium:chromium; do command -v $${p%%:*} >/dev/null 2>&1 || { \
+	  echo "test-serve: installing $${p#*:}"; SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $${p#*:}; } || echo "test-serve: $${p#*:} not installed"; }; done
+	@KIMIK3=$(CLI) KIMIK3_SERVE_CLIENTS=1 tests/run.sh tests/serve.sh
 
 # test-NN: one chapter, e.g. make test-05.
 test-%: deps
@@ -167,6 +187,12 @@ benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3
 
 bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
+
+# bench-serve: kimik3 serve against kimik3 run (time to first token, tokens/s) and what state reuse saves
+# on a second turn (needs node). SERVE_MODEL is the model directory; BENCH_SERVE_ARGS e.g. --gen 128.
+SERVE_MODEL ?= fixtures/tiny-k3
+bench-serve: deps $(CLI)
+	node bench/serve_bench.mjs $(CLI) $(SERVE_MODEL) $(BENCH_SERVE_ARGS)
 
 # ---- fixtures: regenerate from the PyTorch reference in tools/ -------------------------------------
 # Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in

@@ -180,3 +180,53 @@ TEST_CASE("13.3 scalar and SIMD builds give the same logits: a pinned hash both 
         CHECK(want == got);
     }
 }
+
+TEST_CASE("13.3 a step record changes no bit, and a prompt step records what its tokens record one at a time") {
+    Model m(kTiny, ModelOptions{});
+    const Config& c = m.config;
+    const std::size_t V = std::size_t(c.vocab_size), L = std::size_t(c.num_hidden_layers), K = std::size_t(c.num_experts_per_token);
+    const std::vector<std::int64_t>& ids = ref().prompt;
+    const std::size_t T = ids.size();
+    Session plain(c, 64), recorded(c, 64), single(c, 64);
+    std::vector<float> a(T * V), b(T * V), one(V);
+    forward(a.data(), m, plain, ids.data(), T, true);
+    StepRecord r;
+    forward(b.data(), m, recorded, ids.data(), T, true, &r);
+    CHECK_BITS_EQ(a, b);  // recording is observation only
+    REQUIRE(r.tokens == T);
+    REQUIRE(r.layers.size() == L);
+    const std::size_t bs = std::size_t(c.attn_res_block_size);
+    for (std::size_t t = 0; t < T; ++t) {
+        StepRecord s;
+        forward(one.data(), m, single, &ids[t], 1, false, &s);
+        CHECK(std::equal(one.begin(), one.end(), b.begin() + long(t * V)));
+        for (std::size_t l = 0; l < L; ++l) {
+            const StepRecord::Layer &pl = r.layers[l], &sl = s.layers[l];
+            CAPTURE(l);
+            // the closed form of chapter 09: layer l > 0 mixes floor((l-1)/bs) + 1 banks and the partial
+            CHECK(pl.attn_candidates == (l == 0 ? 0 : (l - 1) / bs + 2));
+            CHECK(pl.mlp_candidates == l / bs + 2);
+            CHECK(sl.attn_candidates == pl.attn_candidates);
+            for (std::size_t i = 0; i < pl.attn_candidates; ++i) CHECK(pl.attn_mix[t * pl.attn_candidates + i] == sl.attn_mix[i]);
+            float sum = 0;
+            for (std::size_t i = 0; i < pl.mlp_candidates; ++i) {
+                sum += pl.mlp_mix[t * pl.mlp_candidates + i];
+                CHECK(pl.mlp_mix[t * pl.mlp_candidates + i] == sl.mlp_mix[i]);
+            }
+            CHECK(std::fabs(sum - 1.0f) < 1e-5f);
+            const bool moe = c.layers[l].ffn == FfnKind::MoE;
+            CHECK(pl.routing.ids.size() == (moe ? T * K : 0));
+            if (!moe) continue;
+            float wsum = 0;
+            for (std::size_t k = 0; k < K; ++k) {
+                CHECK(pl.routing.ids[t * K + k] == sl.routing.ids[k]);
+                CHECK(pl.routing.weights[t * K + k] == sl.routing.weights[k]);
+                wsum += sl.routing.weights[k];
+            }
+            CHECK(std::fabs(wsum - c.routed_scaling_factor) < 1e-4f * c.routed_scaling_factor);
+        }
+        CHECK(s.out_candidates == r.out_candidates);
+        for (std::size_t i = 0; i < r.out_candidates; ++i) CHECK(r.out_mix[t * r.out_candidates + i] == s.out_mix[i]);
+    }
+    CHECK(r.out_candidates == (L - 1) / bs + 2);
+}
