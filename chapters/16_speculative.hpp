@@ -15,7 +15,7 @@
 //   session back over the rejected guesses (the MLA cache truncates; the KDA states are replayed).
 //
 // WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.4, 3.5, 3.6)
-//   At the floor budget (1.15 GB) one token reads 111 GB of trunk and up to 25.8 GB of routed experts
+//   At the floor budget (1.16 GB) one token reads 111 GB of trunk and up to 25.8 GB of routed experts
 //   (16 of 896 per MoE layer, 92 layers). A verify step of N + 1 tokens reads the same 111 GB of trunk
 //   once, and the union of the experts its tokens route to (at most (N + 1) x 16 per layer). If a step
 //   yields a tokens on average, the trunk bytes per token divide by a; the expert bytes do not shrink,
