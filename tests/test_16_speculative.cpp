@@ -358,3 +358,28 @@ TEST_CASE("16.4 a chat turn with speculation replies as chat_turn does, and the 
         CHECK(stats.steps > 0);
     }
 }
+
+// ---- 16.4 on the trained little K3: real drafts, accepted ------------------------------------------------
+// The little K3 repeats what it has read, so the prompt lookup's drafts are accepted often: the exactness
+// above then holds on steps that keep several drafts, not only on the oracle's.
+TEST_CASE("16.4 on the little K3, prompt lookup drafts are accepted and the output is plain decoding's, bit for bit") {
+    const std::string dir = test::source_path("fixtures/little-k3");
+    Model m(dir, ModelOptions{});
+    const Tokenizer tok = Tokenizer::load(dir);
+    const std::vector<std::uint32_t> enc =
+        tok.encode("The United Nations system is the most important part of the United Nations. The United Nations system");
+    const Ids p(enc.begin(), enc.end());
+    const Run base = plain(m, p, 32, kGreedy, 32, 128);
+    const Draft lookup = [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); };
+    for (std::size_t n : {2u, 4u, 8u}) {
+        CAPTURE(n);
+        const Run r = speculative(m, p, 32, kGreedy, n, lookup, 32, 128);
+        check_same_run(r, base);
+        CHECK(r.stats.accepted > 0);                   // real drafts were kept
+        CHECK(r.stats.steps < r.stats.yielded);        // so fewer steps than tokens
+    }
+    SamplingParams sampled{.temperature = 0.8f, .seed = 7};
+    const Run sbase = plain(m, p, 32, sampled, 32, 128);
+    const Run s = speculative(m, p, 32, sampled, 4, lookup, 32, 128);
+    check_same_run(s, sbase);  // sampled: each position's draw depends only on (seed, position)
+}
