@@ -11,7 +11,7 @@
 //   one computes, failures that must never become weights), and measuring a cache honestly (retention
 //   across steps, not raw hits).
 //
-// WHERE THIS SITS IN KIMI K3 (spec 2.2, 3.6; prior-art section 1)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 3.6; docs/prior-art.md section 1)
 //   One expert = six U8 tensors stored back to back: 3 x (5,505,024 + 344,064) = 17,547,264 bytes
 //   (= 4284 x 4096). 896 experts x 92 MoE layers = 82,432 experts. A token routes to 16 per layer:
 //   16 x 17.5 MB = 281 MB per token-layer, 25.8 GB per token when nothing is kept. The measured lesson
@@ -24,7 +24,7 @@
 //                 (K3: 17,551,360 = 4285 pages when an expert starts off a page boundary).
 //   O_DIRECT      reads that bypass the page cache: the device writes straight into our buffer, so the
 //                 buffer, the file offset and the length must be multiples of 4096. Buffered reads of a
-//                 1.45 TB working set only churn the page cache (prior art: 1.9 vs 6.6 GB/s).
+//                 1.45 TB working set only churn the page cache (docs/prior-art.md section 1: 1.9 vs 6.6 GB/s).
 //   widened read  the aligned range around an expert: [offset rounded down, end rounded up to 4096).
 //                 The expert starts at offset % 4096 inside the slot; at the end of a file the read
 //                 stops early, which is fine once the expert's last byte has arrived.
@@ -77,9 +77,12 @@
 //     the farthest next use, ties (never used again) to the lower slot. No policy or size changes a bit
 //     of the model's output: the provider only decides where weights come from.
 //
-// LEAVES OUT  speculative prefetch of experts the router has not chosen yet (prior art measured it as a
+// LEAVES OUT  speculative prefetch of experts the router has not chosen yet (docs/prior-art.md measured it as a
 //   loss), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides how much memory the cache gets.
 //
+// SOURCES  Belady, "A study of replacement algorithms for a virtual-storage computer", IBM Systems
+//          Journal 5(2), 1966 (the optimum the simulator replays); Eliseev and Mazur, arXiv:2312.17238
+//          (LRU expert offloading); FareedKhan-dev/kimi-k3-in-c (docs/prior-art.md section 1). docs/sources.md 11.
 // USES     chapters 00 (Error), 01 (Fd, AlignedBuffer, pread_exact, pread_hook), 02 (ExpertLocation,
 //          human_bytes), 05 (check_e8m0_scales), 06 (ExpertWeights), 10 (ExpertProvider)
 // RUN      make run-11      TEST   make test-11      BENCH   make bench (bench/bench_experts.hpp)
@@ -463,7 +466,7 @@ class SlotTable {
 struct ExpertCacheOptions {
     bool direct = true;                   // O_DIRECT reads (each shard falls back to buffered if refused)
     int readers = 16;                     // parallel reads per batch: the disk's queue depth (16 = K3's k;
-                                          // prior art on this machine: 0.94 GB/s at depth 1, 1.37 at 16)
+                                          // docs/prior-art.md section 5, on this machine: 0.94 GB/s at depth 1, 1.37 at 16)
     PolicyKind policy = PolicyKind::lru;  // lru or lfu (Belady needs the future: simulator only)
 };
 
