@@ -2,12 +2,13 @@
 // ====================================================================================================
 //
 // WHAT THIS CHAPTER TEACHES
-//   Kimi K3's routed experts (98.5% of its 2.78 T parameters) are stored as MXFP4: 4-bit floats in
-//   blocks of 32 that share one 8-bit power-of-two scale. This chapter decodes every code and scale
-//   exactly, draws the compressed-tensors byte layout, and builds a matvec that reads the packed bytes
-//   directly (an expert's 17.5 MB would become 132 MB if widened to f32 first). New since chapter 04:
-//   a number format small enough to test exhaustively, a decode that must be done in registers, and an
-//   ISA-specific whole function (AVX2) next to the portable xsimd one, all three bit-identical.
+//   Kimi K3's routed experts (2,722.74 B, 98.0% of its 2.78 T parameters: docs/at-a-glance.md 3) are
+//   stored as MXFP4: 4-bit floats in blocks of 32 that share one 8-bit power-of-two scale. This
+//   chapter decodes every code and scale exactly, draws the compressed-tensors byte layout, and builds
+//   a matvec that reads the packed bytes directly (an expert's 17.5 MB would become 132 MB if widened
+//   to f32 first). New since chapter 04: a number format small enough to test exhaustively, a decode
+//   that must be done in registers, and an ISA-specific whole function (AVX2) next to the portable
+//   xsimd one, all three bit-identical.
 //
 // WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 2.4)
 //   Per expert: w1 (gate) and w3 (up) [3072, 3584], w2 (down) [3584, 3072], i.e. F = 3072, L = 3584.
