@@ -27,7 +27,8 @@
 //   read per token. The engine before us measured exactly that: its LRU cache retained 0% below ~36 GB
 //   of arena, and memory did more good holding the trunk (docs/prior-art.md section 1). A cache pays
 //   only where routing is skewed (a few experts per layer taking most requests), so size it from a
-//   recorded trace (section 11.6) before giving it memory.
+//   recorded trace (section 11.6) before giving it memory. make run-11 replays K3-shaped traces with
+//   balanced and with skewed routing at 887, 1,472 and 2,944 slots to show both cases.
 //
 // CONCEPTS
 //   slot          room for one whole expert: the largest aligned read of any expert, a multiple of 4096
