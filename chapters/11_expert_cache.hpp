@@ -506,6 +506,7 @@ class ExpertCache : public ExpertProvider {
     std::size_t slot_bytes() const { return slot_bytes_; }
     const CacheStats& stats() const { return table_.stats(); }
     const Trace& trace() const { return trace_; }
+    void clear_trace() { trace_.requests.clear(); }  // a long-running program (kimik3 serve) keeps it bounded
     const ExpertStore& store() const { return store_; }
     bool resident(int layer, int e) const { return table_.resident(expert_key(layer, e)); }
     void begin_step() override {
