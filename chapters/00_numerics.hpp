@@ -299,7 +299,7 @@ inline float sum_squares(const float* x, std::size_t n) { return dot(x, x, n); }
 // mantissa, which is 1 + 2^-11. Hence, with c = 1 + 2^-11:
 //     unfused (round a*a, then subtract):   (1 + 2^-11) - c  = 0            <- what this project computes
 //     fused   (one rounding of a*a - c):    2^-24                           <- what FMA contraction gives
-// STYLE.md words the canary as "must be exactly 2^-24 computed unfused"; 2^-24 is in fact the FUSED
+// A canary is easy to word backwards ("must be exactly 2^-24 computed unfused"): 2^-24 is the FUSED
 // value, so the test asserts 0 and names 2^-24 as the failure it guards against. `volatile` stops the
 // compiler from folding the constants at compile time, which would hide the flag's effect.
 inline float fma_canary() {

@@ -9,11 +9,12 @@
 //   New since chapter 06: a recurrent state carried from token to token, and the proof that feeding
 //   tokens one at a time (decode) or all together (prefill) gives the same bits.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.4, trap 5.1.8, 5.1.1)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.4; its traps 5.1.8 and 5.1.1)
 //   96 heads x Dh = 128 (P = 12288 channels); u (7168) -> q, k, v, g (12288 each) by four [12288, 7168]
 //   bf16 projections, the decay gate through a rank-128 bottleneck, beta per head, o_proj back to 7168.
 //   The state: 96 x 128 x 128 f32 = 6.29 MB per layer, 434 MB for all 69 KDA layers, plus the conv
-//   history (3 x 3 x 12288 f32 = 442 kB per layer). It is the part of K3 that must stay resident.
+//   history (3 x 3 x 12288 f32 = 442 kB per layer): 6.73 MB per layer with it, 464.6 MB for 69 layers
+//   (the plan's "carried state"). It is the part of K3 that must stay resident.
 //
 // CONCEPTS
 //   short conv   y_t[c] = SiLU(sum_j w[c][j] x_{t-3+j}[c]), tap 3 = the current token; a rolling history
@@ -34,7 +35,7 @@
 //   L2 norm (chapter 03): k_hat = l2norm(k, 1), q_hat = l2norm(q, Dh^-1/2), per head.
 //   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(expf(A_log[h]) * z); alpha = expf(g).
 //   A_log is read at index h only: entries 0..H-1, whether it is stored [H] (Moonshot's module) or
-//   zero-padded (the release: [128] for 96 heads); never per channel (5.1.1). Any H and Dh work.
+//   zero-padded (the release: [128] for 96 heads); never per channel (trap 5.1.1 of docs/kimi-k3.md). Any H and Dh work.
 //   Recurrence per head and value row j, in this order: s_ji = s_ji * alpha_i (all i); p = dot16(s_j,
 //   k_hat) (16 lanes + hsum16); c = beta * (v_j - p); s_ji = s_ji + c * k_hat_i (all i); o_j = dot16(s_j,
 //   q_hat). kda_recurrence_simd is bit-identical to _ref. Heads split across threads; a head's rows run
@@ -42,6 +43,9 @@
 //   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state); kda_advance
 //   over kept inputs leaves the state kda_forward would have, bit for bit.
 //
+// SOURCES  Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture", arXiv:2510.26692
+//          (KDA); Yang, Kautz, Hatamizadeh, "Gated Delta Networks", arXiv:2412.06464; fla-org/flash-linear-
+//          attention fla/ops/kda/naive.py (the recurrent reference). docs/sources.md 07.
 // USES     chapters 00, 02 (Config, LayerTensors), 03 (l2norm, gated_head_norm), 04 (linear)
 // RUN      make run-07        TEST   make test-07        BENCH   make bench (one decode step at K3 size)
 //
@@ -159,7 +163,7 @@ inline void short_conv_step(float* y, const float* x, const float* taps, float* 
 inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A_log, const float* dt_bias, const KdaDims& d) {
     // alpha (P), g_out (P) or null, f (P), A_log (H used; any padding after it is never read), dt_bias (P)
     for (std::size_t h = 0; h < d.heads; ++h) {
-        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1)
+        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1 of docs/kimi-k3.md)
         for (std::size_t i = 0; i < d.head_dim; ++i) {
             const std::size_t c = h * d.head_dim + i;
             const float z = f[c] + dt_bias[c];

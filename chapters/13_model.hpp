@@ -2,7 +2,7 @@
 // ====================================================================================================
 //
 // WHAT THIS CHAPTER TEACHES
-//   Everything so far, assembled in the order of spec 3.9: the embedding, 93 layers of AttnRes mixes,
+//   Everything so far, assembled in the order of docs/kimi-k3.md 3.9: the embedding, 93 layers of AttnRes mixes,
 //   norms, KDA or MLA with their carried state, the dense FFN or the latent MoE, then the final mix, the
 //   final norm and lm_head. The forward step takes T tokens at once (a prompt chunk) or one (decode),
 //   and gives each token exactly the bits it would get alone; the memory plan (chapter 12) and the
@@ -10,7 +10,7 @@
 //   session (every layer's carried state) and the three ways to run a sequence: teacher forcing,
 //   greedy generation, and incremental decode checked against full recompute.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.1-3.9)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.1-3.9)
 //   Per token: 1 embedding row (14 kB), 108.8 GB of trunk, 16 x 92 experts (25.8 GB), 2.35 GB lm_head
 //   when nothing is resident; the carried state is 434 MB of KDA matrices plus 24 x 576 floats of latent
 //   MLA cache per position.
@@ -25,13 +25,17 @@
 //                 and by construction bit-identical to incremental (a test, and a run option).
 //
 // NUMERICS CONTRACT
-//   Everything is the chapters' contracts composed in spec order; the driver adds no arithmetic of its
-//   own except the embedding widening (exact) and argmax (first maximum: the lowest id wins a tie).
-//   Logits are f32 (spec 3.7: no soft-capping, no scaling). A step of T tokens = T steps of one token.
+//   Everything is the chapters' contracts composed in the order of docs/kimi-k3.md 3.9; the driver adds
+//   no arithmetic of its own except the embedding widening (exact) and argmax (first maximum: the
+//   lowest id wins a tie). Logits are f32 (docs/kimi-k3.md 3.7: no soft-capping, no scaling). A step
+//   of T tokens = T steps of one token.
 //   A tentative step (13.3, for chapter 16) gives the same logits and leaves the KDA states untouched.
 //
+// SOURCES  Kimi Linear, arXiv:2510.26692; Attention Residuals, arXiv:2603.15031; the K3 release's
+//          modeling_kimi_linear.py. Exactness is checked against tools/k3_reference.py (float64 PyTorch,
+//          fixtures/tiny-k3/reference). docs/sources.md 13.
 // USES     chapters 02, 06-12
-// RUN      make run (kimik3 run on the tiny K3)     TEST   make test-13 (the exactness gates)
+// RUN      make run-13 (this example; make run runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
 //   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step
@@ -139,7 +143,7 @@ struct Session {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// 13.3 One forward step: T new tokens through the whole model (spec 3.9)
+// 13.3 One forward step: T new tokens through the whole model (docs/kimi-k3.md 3.9)
 // ---------------------------------------------------------------------------------------------------
 // What one step chose, for programs that show the model at work (kimik3 serve's page). Optional: forward
 // fills it only when given one, and nothing reads it to compute, so it cannot change a bit.

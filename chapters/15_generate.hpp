@@ -17,7 +17,7 @@
 //   where <|open|> 163587, <|sep|> 163589, <|close|> 163588 and <|end_of_msg|> 163586 are special ids
 //   and `message role="user"`, `Hello`, `message` are BPE-encoded text. The model's logits have
 //   V = 163,840 entries; generation stops at <|end_of_msg|> (config.json's eos_token_id) or at [EOS]
-//   163585 (tokenizer_config.json's eos_token): spec trap 5.1.12.
+//   163585 (tokenizer_config.json's eos_token): docs/kimi-k3.md trap 5.1.12.
 //
 // CONCEPTS
 //   segment     a run of the rendered chat that is either one structural special or one text string.
@@ -26,7 +26,7 @@
 //   temperature logits are divided by T before the softmax; T -> 0 is greedy.
 //   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
 //
-// THE XTML LAYOUT (spec section 4; "[x]" is a special id, everything else BPE-encoded text)
+// THE XTML LAYOUT (docs/kimi-k3.md section 4; "[x]" is a special id, everything else BPE-encoded text)
 //   message     [<|open|>]message role="R"( type="T")( name="N")( tool="F" index="I")[<|sep|>]
 //                 BODY [<|close|>]message[<|sep|>][<|end_of_msg|>]
 //   assistant   BODY = ([<|open|>]think[<|sep|>]REASONING[<|close|>]think[<|sep|>])    when thinking is on
@@ -42,11 +42,11 @@
 //
 // CONTRACT
 //   1. Rendering is deterministic; messages appear in the order given; nothing is added that the
-//      spec does not describe. Choices where the spec is silent, each tested: the attribute order
+//      docs/kimi-k3.md does not describe. Choices where it is silent, each tested: the attribute order
 //      role, type, name, tool, index; call indices count from 1 in order; with thinking on, every
 //      assistant message gets a think block (empty when it has no reasoning); with thinking off none
 //      does. Internal system messages (type="tool-declare", "thinking-effort", "tool-choice",
-//      "response-format") are ordinary messages whose body the caller supplies: the spec gives
+//      "response-format") are ordinary messages whose body the caller supplies: docs/kimi-k3.md gives
 //      neither the 67-token thinking-effort text nor the exact tool-declare wording, so this chapter
 //      never invents them.
 //   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
@@ -101,7 +101,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 struct ToolArgument {
     std::string key{};
-    std::string type = "string";             // written as given: the spec shows only "string"
+    std::string type = "string";             // written as given: docs/kimi-k3.md shows only "string"
     std::string value{};                     // the argument's text, already formatted by the caller
 };
 
@@ -200,7 +200,7 @@ inline std::vector<std::uint32_t> render_chat(const Tokenizer& tok, std::span<co
 // ---------------------------------------------------------------------------------------------------
 // 15.3 Stop tokens
 // ---------------------------------------------------------------------------------------------------
-// Both ends count (trap 5.1.12): <|end_of_msg|> ends a turn (config.json's eos_token_id), [EOS] is the
+// Both ends count (trap 5.1.12 of docs/kimi-k3.md): <|end_of_msg|> ends a turn (config.json's eos_token_id), [EOS] is the
 // tokenizer's eos_token. A vocabulary that lacks either is refused here, before any generation.
 struct StopTokens {
     std::uint32_t end_of_msg = 0, eos = 0;

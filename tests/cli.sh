@@ -88,16 +88,17 @@ if [ $ok = 1 ] && [ $some = 1 ]; then pass=$((pass + 1)); else
 
 # the logits do not depend on the budget or the trunk file: floor, middle, all resident, packed trunk
 expect "pack-trunk" 0 "verified" "$bin" pack-trunk fixtures/tiny-k3 "$tmp/trunk"
-for b in floor middle all trunk; do
+for b in floor named middle all trunk; do
     case $b in
         floor) opts="--budget $floor" ;;
+        named) opts="--budget floor" ;;
         middle) opts="--budget $((floor + 2000000))" ;;
         all) opts="" ;;
         trunk) opts="--budget $floor --trunk $tmp/trunk" ;;
     esac
     expect "run: dump logits ($b)" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 6 --context 32 --quiet --dump-logits "$tmp/logits-$b.npy" $opts
 done
-for b in middle all trunk; do
+for b in named middle all trunk; do
     if cmp -s "$tmp/logits-floor.npy" "$tmp/logits-$b.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: logits at $b differ from the floor's"; fi
 done
 
@@ -129,6 +130,8 @@ expect "chat --speculate 0 is a usage error" 2 "--speculate must be at least 1" 
 
 # ---- kimik3 plan --------------------------------------------------------------------------------------
 expect "plan: the real K3 at the laptop preset" 0 "pinned: .* lm_head" "$bin" plan --config fixtures/k3-release/config.json --preset laptop
+expect "plan: --budget floor is exactly the floor" 0 "plan for a budget of ([0-9.]+ GB) \(floor \1\)" "$bin" plan --config fixtures/k3-release/config.json --budget floor
+expect "run: --budget floor plans the tiny K3's floor" 0 "plan for a budget of ([0-9.]+ [kMG]?B) \(floor \1\)" "$bin" run fixtures/tiny-k3 --ids 1,2 --gen 1 --budget floor --quiet
 expect "plan: below the floor exits 3" 3 "below the floor of" "$bin" plan --config fixtures/k3-release/config.json --budget 500M
 expect "plan: needs a budget" 2 "one of --budget or --preset" "$bin" plan fixtures/tiny-k3
 

@@ -97,7 +97,7 @@ TEST_CASE("7.4 kda_recurrence_simd is bit-identical to kda_recurrence_ref over m
     set_threads(2);
 }
 
-TEST_CASE("7.3 A_log is read per head: per-channel indexing of the padded tensor would move g by a lot (trap 5.1.1)") {
+TEST_CASE("7.3 A_log is read per head: per-channel indexing of the padded tensor would move g by a lot (trap 5.1.1 of docs/kimi-k3.md)") {
     test::Tiny tiny;
     const KdaDims d = KdaDims::from(tiny.config);
     const KdaWeights w = tiny_kda(tiny, 1);

@@ -1,5 +1,5 @@
 // Tests for chapter 15 (first half): XTML chat rendering and sampling. The expected chats are written
-// out by hand, segment by segment, from the layout of spec section 4; the text segments' ids come from
+// out by hand, segment by segment, from the layout of docs/kimi-k3.md section 4; the text segments' ids come from
 // chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
