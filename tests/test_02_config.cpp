@@ -147,10 +147,11 @@ TEST_CASE("2.3 what Moonshot's code runs is accepted: any width, KDA heads > hea
         {"text_config.linear_attn_config.gate_lower_bound", -5.0},
         {"text_config.linear_attn_config.gate_lower_bound", -0.25},
     };
-    for (const auto& [path, value] : accepted) {
+    for (const auto& entry : accepted) {
+        const char* path = entry.first;  // not a structured binding: clang 14 cannot capture one (CAPTURE is a lambda)
         json cfg = base;
         auto [parent, key] = walk(cfg, path);
-        (*parent)[key] = value;
+        (*parent)[key] = entry.second;
         CAPTURE(path);
         CHECK_NOTHROW(parse_config(cfg, "config.json"));
     }
