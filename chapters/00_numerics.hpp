@@ -83,6 +83,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -368,10 +369,16 @@ public:
         generation_.fetch_add(1, std::memory_order_release);
         generation_.notify_all();
         inside_job() = true;
-        part(0, nt);
+        std::exception_ptr failed;  // part 0 may throw: the workers still use `part`, so wait for them first
+        try {
+            part(0, nt);
+        } catch (...) {
+            failed = std::current_exception();
+        }
         inside_job() = false;
         for (int spin = 0; spin < kSpin && pending_.load(std::memory_order_acquire) != 0; ++spin) cpu_relax();
         for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) pending_.wait(left, std::memory_order_acquire);
+        if (failed) std::rethrow_exception(failed);
         return true;
     }
 
