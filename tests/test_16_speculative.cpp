@@ -212,7 +212,9 @@ TEST_CASE("16.4 greedy speculation = plain decoding, ids and logits bit for bit,
         std::vector<std::pair<const char*, Draft>> drafters = {{"oracle", oracle(base.ids, prompt().size())},
                                                                {"oracle, every 3rd wrong", oracle(base.ids, prompt().size(), 3)}};
         if (n == 1 || n == 4 || n == 8) drafters.push_back({"lookup with 1-grams", kLookup1});  // (drafts little here: slow, few)
-        for (const auto& [name, draft] : drafters) {
+        for (const auto& named : drafters) {  // (no structured binding: clang 14 cannot capture one in CAPTURE)
+            const char* const name = named.first;
+            const Draft& draft = named.second;
             CAPTURE(name);
             const Run r = speculative(m, prompt(), 28, kGreedy, n, draft);
             check_same_run(r, base);
