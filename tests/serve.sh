@@ -214,7 +214,7 @@ check "trace: the first step fed the prompt, later steps one token" \
 
 # ---- a client that disconnects stops its generation; the next request is served -------------------------
 curl -s -N --max-time 60 -H 'Content-Type: application/json' \
-    --data-binary "{\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
+    --data-binary "{\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
     "$URL/v1/chat/completions" | head -c 600 >/dev/null
 freed=0
 for _ in $(seq 100); do
@@ -229,7 +229,11 @@ check "disconnect: the generation stopped early (server log)" grep -qE "the clie
 
 # ---- one at a time: a bounded queue, then 503 with Retry-After --------------------------------------------
 start queue --context 8192 --queue 1 || bad "the queue server did not start"
-long_req="{\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"stream\":true}"
+# ignore_eos: a model with random weights draws an end-of-turn token within ~150 tokens, too soon for a queue
+long_req="{\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Keep going."),\"max_tokens\":300,\"temperature\":1,\"seed\":2,\"ignore_eos\":true}" >/dev/null
+check "ignore_eos: a reply that would end at once (seed 2 stops after 3 tokens) runs to max_tokens" \
+    jq -e '.usage.completion_tokens == 300 and .choices[0].finish_reason == "length"' "$tmp/body"
 curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
 c1=$!
 wait_health() {

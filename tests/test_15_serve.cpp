@@ -54,6 +54,8 @@ TEST_CASE("15.9 a chat request renders exactly as render_chat does; defaults fol
     CHECK(r.seed == 7);
     CHECK(r.max_tokens == 256 - want.size() + 1);  // up to the context
     CHECK_FALSE(r.stream);
+    CHECK_FALSE(r.ignore_eos);
+    CHECK(parse_request(R"({"messages": [{"role": "user", "content": "x"}], "ignore_eos": true})", true, tok(), kLimits).ignore_eos);
     const GenRequest t = parse_request(R"({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}})", true, tok(), kLimits);
     co.thinking = true;
     const std::vector<std::uint32_t> want_t = render_chat(tok(), std::vector<ChatMessage>{{"user", "x"}}, co);
@@ -87,6 +89,7 @@ TEST_CASE("15.9 every bad request is refused with a status, the field and a code
         {R"({"messages": [{"role": "user", "content": "x"}], "thinking": "yes"})", 400, "thinking", "invalid_type"},
         {R"({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5})", 400, "presence_penalty", "unsupported_value"},
         {R"({"messages": [{"role": "user", "content": "x"}], "kimik3": true})", 400, "kimik3", "invalid_type"},
+        {R"({"messages": [{"role": "user", "content": "x"}], "ignore_eos": 1})", 400, "ignore_eos", "invalid_type"},
         {R"({"messages": [{"role": "tool", "content": "x"}]})", 400, "messages[0]", "unsupported_value"},
         {R"({"prompt": "x"})", 400, "prompt", "unsupported_parameter"},
     };

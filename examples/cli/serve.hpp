@@ -103,6 +103,7 @@ inline const char* kServeUsage =
     "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET / (the page).\n"
     "Request fields: messages (or prompt), stream, stream_options.include_usage, max_tokens (or\n"
     "max_completion_tokens), temperature (default 1), top_p, top_k, seed (default: random), stop,\n"
+    "ignore_eos (true: end-of-turn tokens do not end the reply; for benchmarks and tests),\n"
     "thinking (true, or {\"type\": \"enabled\"}; default off: replies with it carry reasoning_content),\n"
     "kimik3 ({\"trace\": true}: per-token token ids, experts, depth weights and I/O).\n"
     "Stop with Ctrl-C (SIGINT) or SIGTERM. Exit codes as for run.\n";
@@ -348,7 +349,7 @@ class Engine {
                 e.kind = Event::token;
                 e.id = id;
                 const std::uint32_t u = std::uint32_t(id);
-                const bool is_stop = stops_.contains(u);
+                const bool is_stop = !q.ignore_eos && stops_.contains(u);
                 e.piece = reader.piece(u);
                 if (!is_stop) {
                     ReplyReader::Delta d = reader.push(u);
@@ -532,11 +533,16 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
         std::vector<std::int64_t> ids;
         nlohmann::ordered_json steps = nlohmann::ordered_json::array();
         Event e;
+        // Every 50 ms, whether tokens arrive or not, look whether the client is still there: when tokens come
+        // faster than that, a check made only on a quiet queue would never run.
+        auto checked = std::chrono::steady_clock::now();
         for (;;) {
-            if (!job->pop(e, std::chrono::milliseconds(50))) {
+            const bool got = job->pop(e, std::chrono::milliseconds(50));
+            if (std::chrono::steady_clock::now() - checked >= std::chrono::milliseconds(50)) {
+                checked = std::chrono::steady_clock::now();
                 if (!socket_alive(fd)) job->cancelled = true;  // the client left: stop generating for it
-                continue;
             }
+            if (!got) continue;
             if (e.kind == Event::token) {
                 content += e.content, reasoning += e.reasoning, ids.push_back(e.id);
                 if (q.trace) steps.push_back({{"token", e.id}, {"piece", e.piece}, {"step", std::move(e.step)}});

@@ -43,6 +43,7 @@ inline std::string dump(const nlohmann::ordered_json& j) { return j.dump(-1, ' '
 struct GenRequest {
     bool chat = true;                  // chat format (reasoning/content channels) or raw text
     bool stream = false, include_usage = false, thinking = false, extension = false, trace = false;
+    bool ignore_eos = false;           // end-of-turn tokens do not stop the reply (they are generated like any token)
     std::vector<std::int64_t> prompt;  // rendered ids
     std::size_t max_tokens = 0;
     SamplingParams sampling;
@@ -175,6 +176,7 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
     const std::int64_t top_k = get_integer(body, "top_k").value_or(0);
     if (top_k < 0 || top_k > (1 << 30)) refuse("top_k", "'top_k' must be from 0 (no limit) to 2^30", "invalid_value");
     r.sampling.top_k = int(top_k);
+    r.ignore_eos = get_bool(body, "ignore_eos", false);
     if (const auto s = get_integer(body, "seed")) r.seed = std::uint64_t(*s);
     else r.seed = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
     if (const nlohmann::json* st = field(body, "stop")) {
