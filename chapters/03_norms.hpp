@@ -7,7 +7,7 @@
 //   a plausible implementation gets wrong: mean versus sum of squares, where epsilon goes, what eps is.
 //   New since chapter 02: an element-wise template written once for `float` and for a SIMD batch.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 0.1, 3.3, 3.4.4, 3.4.6)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 0.1, 3.3, 3.4.4, 3.4.6)
 //   RMSNorm          before every attention and FFN (2 x 93), the model's final norm, the latent MoE
 //                    norm (3584 wide), the MLA q_a/kv_a norms (1536 and 512 wide, eps 1e-6), and inside
 //                    every AttnRes mix (chapter 09). Width D = 7168, eps = 1e-5.
@@ -19,7 +19,7 @@
 // CONCEPTS
 //   rms(x)        sqrt(mean_i x_i^2); RMSNorm divides by it (with eps inside the root) and scales by gamma.
 //   KimiRMSNorm   HF rounds the normalised x to bf16 before multiplying by gamma; this engine computes
-//                 in f32 throughout (spec 3.8), so the rounding points are ours, fixed below.
+//                 in f32 throughout (docs/kimi-k3.md 3.8), so the rounding points are ours, fixed below.
 //
 // NUMERICS CONTRACT
 //   rmsnorm:     ss = sum_squares(x) (16 lanes + hsum16);  mean = ss / float(n);
@@ -33,6 +33,8 @@
 //   y may alias x (the sum is taken before anything is written).
 //   Each product and sum is rounded once, in the order written; there is no FMA.
 //
+// SOURCES  Zhang and Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019, arXiv:1910.07467;
+//          fla-org/flash-linear-attention (fla/modules/l2norm.py, fused_norm_gate.py). docs/sources.md 03.
 // USES     chapter 00 (lanes, hsum16, sum_squares, the SIMD shim, sigmoid)
 // RUN      make run-03        TEST   make test-03
 //
@@ -48,7 +50,7 @@
 
 namespace kimik3 {
 
-// The element-wise step every norm ends with, written once for float and for simd::f32 (STYLE 5.2):
+// The element-wise step every norm ends with, written once for float and for simd::f32 (so the reference and SIMD paths cannot round differently):
 // (x * inv) * g, two roundings in this order.
 template <class V> inline V scale_mul(V x, V inv, V g) { return (x * inv) * g; }
 
@@ -82,8 +84,8 @@ inline void rmsnorm(float* y, const float* x, const float* gamma, std::size_t n,
 // ---------------------------------------------------------------------------------------------------
 // 3.2 The KDA L2 norm:  y = scale * x / sqrt(sum(x^2) + 1e-6)
 // ---------------------------------------------------------------------------------------------------
-// fla's l2norm: the SUM of squares (not the mean) with 1e-6 inside the square root (spec 3.4.4, trap
-// 5.1.8). llama.cpp divides by max(||x||, eps) instead; the two differ only for x near 0.
+// fla's l2norm: the SUM of squares (not the mean) with 1e-6 inside the square root (docs/kimi-k3.md 3.4.4,
+// trap 5.1.8 of docs/kimi-k3.md). llama.cpp divides by max(||x||, eps) instead; the two differ only for x near 0.
 inline constexpr float kL2Eps = 1e-6f;
 
 inline float l2_factor(float sum_squares, float scale) { return (1.0f / std::sqrt(sum_squares + kL2Eps)) * scale; }
@@ -106,7 +108,7 @@ inline void l2norm(float* y, const float* x, std::size_t n, float scale) {  // y
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 3.3 The gated per-head norm (KDA output, spec 3.4.6)
+// 3.3 The gated per-head norm (KDA output, docs/kimi-k3.md 3.4.6)
 // ---------------------------------------------------------------------------------------------------
 // fla's FusedRMSNormGated(Dh, eps, activation='sigmoid'): each head's Dh values are RMS-normalised on
 // their own, scaled by ONE weight vector w (Dh) shared by every head, then gated by sigmoid(g).

@@ -2,14 +2,15 @@
 // ====================================================================================================
 //
 // WHAT THIS CHAPTER TEACHES
-//   Kimi K3's routed experts (98.5% of its 2.78 T parameters) are stored as MXFP4: 4-bit floats in
-//   blocks of 32 that share one 8-bit power-of-two scale. This chapter decodes every code and scale
-//   exactly, draws the compressed-tensors byte layout, and builds a matvec that reads the packed bytes
-//   directly (an expert's 17.5 MB would become 132 MB if widened to f32 first). New since chapter 04:
-//   a number format small enough to test exhaustively, a decode that must be done in registers, and an
-//   ISA-specific whole function (AVX2) next to the portable xsimd one, all three bit-identical.
+//   Kimi K3's routed experts (2,722.74 B, 98.0% of its 2.78 T parameters: docs/at-a-glance.md 3) are
+//   stored as MXFP4: 4-bit floats in blocks of 32 that share one 8-bit power-of-two scale. This
+//   chapter decodes every code and scale exactly, draws the compressed-tensors byte layout, and builds
+//   a matvec that reads the packed bytes directly (an expert's 17.5 MB would become 132 MB if widened
+//   to f32 first). New since chapter 04: a number format small enough to test exhaustively, a decode
+//   that must be done in registers, and an ISA-specific whole function (AVX2) next to the portable
+//   xsimd one, all three bit-identical.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 2.2, 2.4)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 2.4)
 //   Per expert: w1 (gate) and w3 (up) [3072, 3584], w2 (down) [3584, 3072], i.e. F = 3072, L = 3584.
 //   weight_packed [out, in/2] U8 and weight_scale [out, in/32] U8 for each: 3 x (5,505,024 + 344,064)
 //   = 17,547,264 bytes per expert, 896 experts x 92 layers. 16 experts run per token and layer, so a
@@ -45,7 +46,7 @@
 //     row 1: scale byte 126 (x0.5); packed byte 15 = 0x9A -> col 30 code 0xA (-1.0) -> -0.5, col 31
 //            code 9 (-0.5) -> -0.25; with x30 = 4, x31 = 8: y1 = -2 + -2 = -4.
 //     A swapped nibble order would give y0 = 12*1 + 2*1 = 14 too (symmetric x), but row 1 would be
-//     -0.25*4 + -0.5*8 = -5: only a positional test catches the swap (trap 5.1.6).
+//     -0.25*4 + -0.5*8 = -5: only a positional test catches the swap (trap 5.1.6 of docs/kimi-k3.md).
 //
 // NUMERICS CONTRACT
 //   w = e2m1(code) * scale (one rounding, exact unless it overflows to Inf at scale >= 2^126), then
@@ -54,6 +55,9 @@
 //   `in` must be a multiple of 32. Scales of 255 are refused by check_e8m0_scales before any matvec.
 //   Rows split across threads; T tokens at once give per token the bits of a single matvec.
 //
+// SOURCES  Open Compute Project, "OCP Microscaling Formats (MX) Specification" v1.0, 2023 (E2M1,
+//          E8M0, blocks of 32); Rouhani et al., arXiv:2310.10537; vllm-project/compressed-tensors (the
+//          mxfp4-pack-quantized nibble order). docs/sources.md 05.
 // USES     chapter 00 (lanes, hsum16, shim, parallel_rows)
 // RUN      make run-05        TEST   make test-05        BENCH   make bench
 //
@@ -280,7 +284,7 @@ inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* pack
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 5.6 The AVX2 kernel (a whole function for one ISA, as STYLE 5.1 allows)
+// 5.6 The AVX2 kernel (a whole function for one ISA: clearer than a shim where the ISA's own instructions are the point)
 // ---------------------------------------------------------------------------------------------------
 // Why a second SIMD kernel: the arithmetic decode of 5.5 costs ~10 instructions per 8 weights; AVX2's
 // vpermps looks up 8 floats by the low 3 bits of each lane in one instruction. Each block's scale is

@@ -8,7 +8,7 @@
 //   then the two FFNs built from it: bf16 weights (chapter 04) and MXFP4 weights (chapter 05).
 //   New since chapter 05: a whole block built from kernels; the routed expert as a unit of weights.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 0.2, 3.6)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 0.2, 3.6)
 //   Dense FFN, layer 0:   D = 7168 -> I = 33792 (gate and up) -> D;   1.45 GB of bf16.
 //   Shared experts:       D -> 2 x 3072 = 6144 -> D, on the full-width input, every MoE layer.
 //   Routed expert:        L = 3584 -> F = 3072 (w1 gate, w3 up) -> L (w2 down), MXFP4, 17.5 MB each;
@@ -19,7 +19,7 @@
 //   SiTU         gate(a) = b1 tanh(a/b1) sigmoid(a)   (b1 = activation_situ_beta = 4)
 //                up(b)   = b2 tanh(b/b2)               (b2 = activation_situ_linear_beta = 25)
 //                For small a, gate(a) ~ a sigmoid(a) = SiLU(a); |gate| < b1 always; |up| < b2.
-//                Trap 5.1.5: the sigmoid takes the UNCAPPED a, and b1 caps the gate, b2 the up branch.
+//                Trap 5.1.5 of docs/kimi-k3.md: the sigmoid takes the UNCAPPED a, and b1 caps the gate, b2 the up branch.
 //
 // NUMERICS CONTRACT
 //   gate = (b1 * tanhf(a / b1)) * sigmoid(a);  up = b2 * tanhf(b / b2)  (up = b when b2 is null, 0 here);
@@ -29,6 +29,8 @@
 //   reference kernels, dense_ffn / expert_ffn the dispatched ones, bit-identical. T tokens at once give
 //   per token the bits of one token alone.
 //
+// SOURCES  the K3 release's modeling_kimi_linear.py (the only definition of SiTU); Shazeer, "GLU Variants
+//          Improve Transformer", arXiv:2002.05202. docs/sources.md 06.
 // USES     chapter 00 (sigmoid), 04 (linear, matmul_bf16), 05 (matmul_mxfp4)
 // RUN      make run-06        TEST   make test-06
 //
@@ -100,7 +102,7 @@ inline void dense_ffn_ref(float* y, const float* x, std::size_t tokens, const De
 // ---------------------------------------------------------------------------------------------------
 // 6.3 One routed expert (MXFP4, compressed-tensors layout)
 // ---------------------------------------------------------------------------------------------------
-// The six tensors of spec 2.2, wherever chapter 11 put them in memory. In the latent MoE the expert
+// The six tensors of docs/kimi-k3.md 2.2, wherever chapter 11 put them in memory. In the latent MoE the expert
 // works at width L = routed_expert_hidden_size (3584), not D.
 struct ExpertWeights {
     const std::uint8_t* w1_packed = nullptr;  // gate (F, L/2)

@@ -9,11 +9,12 @@
 //   New since chapter 06: a recurrent state carried from token to token, and the proof that feeding
 //   tokens one at a time (decode) or all together (prefill) gives the same bits.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.4, trap 5.1.8, 5.1.1)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.4; its traps 5.1.8 and 5.1.1)
 //   96 heads x Dh = 128 (P = 12288 channels); u (7168) -> q, k, v, g (12288 each) by four [12288, 7168]
 //   bf16 projections, the decay gate through a rank-128 bottleneck, beta per head, o_proj back to 7168.
 //   The state: 96 x 128 x 128 f32 = 6.29 MB per layer, 434 MB for all 69 KDA layers, plus the conv
-//   history (3 x 3 x 12288 f32 = 442 kB per layer). It is the part of K3 that must stay resident.
+//   history (3 x 3 x 12288 f32 = 442 kB per layer): 6.73 MB per layer with it, 464.6 MB for 69 layers
+//   (the plan's "carried state"). It is the part of K3 that must stay resident.
 //
 // CONCEPTS
 //   short conv   y_t[c] = SiLU(sum_j w[c][j] x_{t-3+j}[c]), tap 3 = the current token; a rolling history
@@ -34,19 +35,24 @@
 //   L2 norm (chapter 03): k_hat = l2norm(k, 1), q_hat = l2norm(q, Dh^-1/2), per head.
 //   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(expf(A_log[h]) * z); alpha = expf(g).
 //   A_log is read at index h only: entries 0..H-1, whether it is stored [H] (Moonshot's module) or
-//   zero-padded (the release: [128] for 96 heads); never per channel (5.1.1). Any H and Dh work.
+//   zero-padded (the release: [128] for 96 heads); never per channel (trap 5.1.1 of docs/kimi-k3.md). Any H and Dh work.
 //   Recurrence per head and value row j, in this order: s_ji = s_ji * alpha_i (all i); p = dot16(s_j,
 //   k_hat) (16 lanes + hsum16); c = beta * (v_j - p); s_ji = s_ji + c * k_hat_i (all i); o_j = dot16(s_j,
 //   q_hat). kda_recurrence_simd is bit-identical to _ref. Heads split across threads; a head's rows run
 //   in order on one thread. Output: gated_head_norm (chapter 03, eps = rms_norm_eps), then o_proj.
-//   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state).
+//   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state); kda_advance
+//   over kept inputs leaves the state kda_forward would have, bit for bit.
 //
+// SOURCES  Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture", arXiv:2510.26692
+//          (KDA); Yang, Kautz, Hatamizadeh, "Gated Delta Networks", arXiv:2412.06464; fla-org/flash-linear-
+//          attention fla/ops/kda/naive.py (the recurrent reference). docs/sources.md 07.
 // USES     chapters 00, 02 (Config, LayerTensors), 03 (l2norm, gated_head_norm), 04 (linear)
 // RUN      make run-07        TEST   make test-07        BENCH   make bench (one decode step at K3 size)
 //
 // SECTIONS
 //   7.1 dims, weights and the carried state     7.2 the short convolution     7.3 gates: beta and decay
-//   7.4 the delta-rule recurrence               7.5 the layer (prefill = decode, bit for bit)
+//   7.4 the delta-rule recurrence               7.5 the layer (prefill = decode, bit for bit; advancing a
+//                                                   state again from kept inputs)
 // ====================================================================================================
 #pragma once
 
@@ -163,7 +169,7 @@ inline void short_conv_step(float* y, const float* x, const float* taps, float* 
 inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A_log, const float* dt_bias, const KdaDims& d) {
     // alpha (P), g_out (P) or null, f (P), A_log (H used; any padding after it is never read), dt_bias (P)
     for (std::size_t h = 0; h < d.heads; ++h) {
-        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1)
+        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1 of docs/kimi-k3.md)
         for (std::size_t i = 0; i < d.head_dim; ++i) {
             const std::size_t c = h * d.head_dim + i;
             const float z = f[c] + dt_bias[c];
@@ -284,43 +290,92 @@ inline void kda_check(const KdaWeights& w, const KdaDims& d, const KdaState& st)
 }
 }  // namespace detail
 
+// The projected inputs of T tokens: everything the sequential part (conv, gates, recurrence) reads, so a
+// state can be advanced through these tokens again without reading a weight (chapter 16 does, to keep
+// only the drafted tokens it accepts). The output gate is not here: it shapes the output, not the state.
+struct KdaInputs {
+    std::size_t tokens = 0;
+    std::vector<float> q, k, v;  // (T, P) each, before the short conv
+    std::vector<float> f;        // (T, P) the decay gate's low-rank output, before dt_bias
+    std::vector<float> b;        // (T, H) beta logits
+};
+
+namespace detail {
+// Per-token buffers of the sequential part, allocated once per call.
+struct KdaTokenBuffers {
+    std::vector<float> qc, kc, vc, qh, kh, alpha, g, beta, o;  // (P) each, beta (H)
+    explicit KdaTokenBuffers(const KdaDims& d)
+        : qc(d.width()), kc(d.width()), vc(d.width()), qh(d.width()), kh(d.width()), alpha(d.width()), g(d.width()), beta(d.heads),
+          o(d.width()) {}
+};
+
+// Token t of `in` through the sequential part: the three short convs (the history shifts), the per-head
+// norms, beta and the decay, then the recurrence (S advances). x.o receives the read-out o (P).
+inline void kda_token(KdaTokenBuffers& x, const KdaInputs& in, std::size_t t, const KdaWeights& w, const KdaDims& d, KdaState& st) {
+    const std::size_t P = d.width(), H = d.heads, Dh = d.head_dim, past = (d.conv - 1) * P;
+    const float q_scale = 1.0f / std::sqrt(float(Dh));  // Dh^-1/2 = 0.08838834764 at K3
+    short_conv_step(x.qc.data(), &in.q[t * P], w.q_conv, st.history.data(), P, d.conv);
+    short_conv_step(x.kc.data(), &in.k[t * P], w.k_conv, st.history.data() + past, P, d.conv);
+    short_conv_step(x.vc.data(), &in.v[t * P], w.v_conv, st.history.data() + 2 * past, P, d.conv);
+    for (std::size_t h = 0; h < H; ++h) {
+        l2norm(&x.qh[h * Dh], &x.qc[h * Dh], Dh, q_scale);
+        l2norm(&x.kh[h * Dh], &x.kc[h * Dh], Dh, 1.0f);
+        x.beta[h] = sigmoid(in.b[t * H + h]);
+    }
+    kda_decay(x.alpha.data(), x.g.data(), &in.f[t * P], w.A_log, w.dt_bias, d);
+    kda_recurrence(x.o.data(), st.S.data(), x.qh.data(), x.kh.data(), x.vc.data(), x.alpha.data(), x.beta.data(), H, Dh);
+}
+}  // namespace detail
+
+// `keep`, when given, receives the tokens' projected inputs (KdaInputs above); the result is the same.
 inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaWeights& w, const KdaDims& d, KdaState& st,
-                        KdaRecord* rec = nullptr) {  // y (T, D), u (T, D): the input_layernorm output
+                        KdaRecord* rec = nullptr, KdaInputs* keep = nullptr) {  // y (T, D), u (T, D): the input_layernorm output
     detail::kda_check(w, d, st);
     const std::size_t T = tokens, P = d.width(), H = d.heads, Dh = d.head_dim;
     // Projections: every token's bits are independent of T (chapter 04), so prefill may batch them.
-    std::vector<float> q(T * P), k(T * P), v(T * P), gate(T * P), fa(T * Dh), f(T * P), b(T * H);
-    linear(q.data(), u, T, w.q_proj);
-    linear(k.data(), u, T, w.k_proj);
-    linear(v.data(), u, T, w.v_proj);
+    KdaInputs local;
+    KdaInputs& in = keep ? *keep : local;
+    in.tokens = T;
+    for (auto* m : {&in.q, &in.k, &in.v, &in.f}) m->resize(T * P);
+    in.b.resize(T * H);
+    std::vector<float> gate(T * P), fa(T * Dh);
+    linear(in.q.data(), u, T, w.q_proj);
+    linear(in.k.data(), u, T, w.k_proj);
+    linear(in.v.data(), u, T, w.v_proj);
     linear(gate.data(), u, T, w.g_proj);
     linear(fa.data(), u, T, w.f_a_proj);
-    linear(f.data(), fa.data(), T, w.f_b_proj);
-    linear(b.data(), u, T, w.b_proj);
-    const float q_scale = 1.0f / std::sqrt(float(Dh));  // Dh^-1/2 = 0.08838834764 at K3
-    const std::size_t past = (d.conv - 1) * P;
-    std::vector<float> qc(P), kc(P), vc(P), qh(P), kh(P), alpha(P), g(P), beta(H), o(P);
+    linear(in.f.data(), fa.data(), T, w.f_b_proj);
+    linear(in.b.data(), u, T, w.b_proj);
+    detail::KdaTokenBuffers x(d);
     std::vector<float> o_gated(T * P);  // (T, P)
     if (rec) *rec = KdaRecord{};
     for (std::size_t t = 0; t < T; ++t) {  // the recurrence is sequential: token t needs t-1's state
-        short_conv_step(qc.data(), &q[t * P], w.q_conv, st.history.data(), P, d.conv);
-        short_conv_step(kc.data(), &k[t * P], w.k_conv, st.history.data() + past, P, d.conv);
-        short_conv_step(vc.data(), &v[t * P], w.v_conv, st.history.data() + 2 * past, P, d.conv);
-        for (std::size_t h = 0; h < H; ++h) {
-            l2norm(&qh[h * Dh], &qc[h * Dh], Dh, q_scale);
-            l2norm(&kh[h * Dh], &kc[h * Dh], Dh, 1.0f);
-            beta[h] = sigmoid(b[t * H + h]);
-        }
-        kda_decay(alpha.data(), g.data(), &f[t * P], w.A_log, w.dt_bias, d);
-        kda_recurrence(o.data(), st.S.data(), qh.data(), kh.data(), vc.data(), alpha.data(), beta.data(), H, Dh);
-        gated_head_norm(&o_gated[t * P], o.data(), &gate[t * P], w.o_norm, H, Dh, d.eps);
+        detail::kda_token(x, in, t, w, d, st);
+        gated_head_norm(&o_gated[t * P], x.o.data(), &gate[t * P], w.o_norm, H, Dh, d.eps);
         if (rec)
-            for (auto [dst, src] : {std::pair{&rec->q_conv, &qc}, {&rec->k_conv, &kc}, {&rec->v_conv, &vc}, {&rec->q_hat, &qh},
-                                    {&rec->k_hat, &kh}, {&rec->beta, &beta}, {&rec->g, &g}, {&rec->o, &o}})
+            for (auto [dst, src] : {std::pair{&rec->q_conv, &x.qc}, {&rec->k_conv, &x.kc}, {&rec->v_conv, &x.vc}, {&rec->q_hat, &x.qh},
+                                    {&rec->k_hat, &x.kh}, {&rec->beta, &x.beta}, {&rec->g, &x.g}, {&rec->o, &x.o}})
                 dst->insert(dst->end(), src->begin(), src->end());
     }
     if (rec) rec->o_gated = o_gated;
     linear(y, o_gated.data(), T, w.o_proj);
+}
+
+// Advances `st` through the first n tokens of inputs kept by kda_forward, reading no matrix (only the
+// conv taps, A_log and dt_bias of `w`): the state ends with the same bits as if kda_forward had run on
+// those n tokens alone. The read-out is computed (the recurrence is one function) and dropped.
+inline void kda_advance(KdaState& st, const KdaInputs& in, std::size_t n, const KdaWeights& w, const KdaDims& d) {
+    const std::size_t P = d.width();
+    bool sized = in.b.size() >= in.tokens * d.heads;
+    for (const auto* m : {&in.q, &in.k, &in.v, &in.f}) sized = sized && m->size() >= in.tokens * P;
+    if (n > in.tokens || !sized)
+        fail(ErrorKind::usage, "kda_advance: " + std::to_string(n) + " tokens asked for, the inputs hold " + std::to_string(in.tokens));
+    if (st.heads != d.heads || st.head_dim != d.head_dim || st.conv != d.conv || st.S.size() != d.heads * d.head_dim * d.head_dim ||
+        st.history.size() != 3 * (d.conv - 1) * P)
+        fail(ErrorKind::usage, "kda_advance: the state is for " + std::to_string(st.heads) + " heads x " + std::to_string(st.head_dim) +
+                                   "; the layer has " + std::to_string(d.heads) + " x " + std::to_string(d.head_dim));
+    detail::KdaTokenBuffers x(d);
+    for (std::size_t t = 0; t < n; ++t) detail::kda_token(x, in, t, w, d, st);
 }
 
 // The weights of a bound KDA layer, given where its tensors are in memory (chapter 12 or 13 decides):

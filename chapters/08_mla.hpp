@@ -11,7 +11,7 @@
 //   transposed product y += W^T x (sums that run down a column, not in 16 lanes, see 8.3); a cache that
 //   grows with the context; reading a cache shared by all heads once per block of positions.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.5, traps 5.1.2 and 5.1.9)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.5; its traps 5.1.2 and 5.1.9)
 //   Layers 3, 7, 11, ..., 91 and 92 (0-based; config full_attn_layers is one-based). Per layer:
 //     q_a_proj [1536, 7168] -> q_a_layernorm -> q_b_proj [18432 = 96 x 192, 1536]
 //     kv_a_proj_with_mqa [576 = 512 + 64, 7168] -> kv_a_layernorm on the first 512 -> the cache
@@ -30,7 +30,7 @@
 //   Dv v_head_dim 128    C = R + X = 576 (the cache width)             S cached positions
 //   latent c_s   RMSNorm(kv_a_proj(u_s)[0:R]): what is cached instead of 96 heads of K and V.
 //   k_x          kv_a_proj(u_s)[R:R+X]: raw, never normalised, never rotated (K3 is NoPE), shared by all
-//                heads (trap 5.1.2). The name "rope" survives from DeepSeek's MLA; nothing rotates here.
+//                heads (trap 5.1.2 of docs/kimi-k3.md). The name "rope" survives from DeepSeek's MLA; nothing rotates here.
 //   absorption   q_nope . (W_UK c_s) = (W_UK^T q_nope) . c_s = qbar . c_s, and
 //                sum_s p_s (W_UV c_s) = W_UV (sum_s p_s c_s): the up-projections run once per token and
 //                head, not once per cached position.
@@ -41,7 +41,7 @@
 //        q_nope = Qt[h, 0:N], q_x = Qt[h, N:N+X].
 //   kva = kv_a_proj u;  c = rmsnorm(kva[0:R], kv_a_norm, 1e-6);  k_x = kva[R:R+X]; appended as [c ; k_x].
 //        Both norms take eps 1e-6, the class default Moonshot's code leaves in place, NOT rms_norm_eps
-//        (trap 5.1.9). Norm weights are bf16 widened to f32; projections are chapter 04's matvec.
+//        (trap 5.1.9 of docs/kimi-k3.md). Norm weights are bf16 widened to f32; projections are chapter 04's matvec.
 //   qbar[h][j] = sum over i = 0..N-1 IN ORDER of W_UK[h][i][j] * q_nope[h][i], from +0, per column j.
 //        A transposed product: the sum runs down column j of W_UK, and SIMD vectorises ACROSS columns, so
 //        no lane ever mixes two columns and every width gives the same bits. It and ctx below are the
@@ -59,9 +59,11 @@
 //   The naive form (8.6) expands K and V per head and position; it agrees with the absorbed form within
 //   rounding (the tests name the tolerance), not bit for bit: the sums are associated differently.
 //
-// LEAVES OUT  HF's bf16 rounding points (this engine is f32, spec 3.8); flash-attention's padding of V
+// LEAVES OUT  HF's bf16 rounding points (this engine is f32, docs/kimi-k3.md 3.8); flash-attention's padding of V
 //          to 192 (no effect on the math); several sequences in one batch; a bf16 cache (half the bytes;
 //          the f32 one is what the reference is compared against).
+// SOURCES  DeepSeek-AI, "DeepSeek-V2", arXiv:2405.04434 (Multi-head Latent Attention and its absorbed
+//          form); Kimi Linear, arXiv:2510.26692 (NoPE MLA in the KDA/MLA hybrid). docs/sources.md 08.
 // USES     chapters 00 (dot, hsum16, sigmoid, parallel_rows), 02 (Config), 03 (rmsnorm), 04 (matmul_bf16,
 //          MatrixRef, for_each_rows)
 // RUN      make run-08        TEST   make test-08        BENCH   bench/bench_mla.hpp (make bench)
@@ -91,7 +93,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 // 8.1 Dims, weights, the record, and the kernel table
 // ---------------------------------------------------------------------------------------------------
-// The class default of Moonshot's q_a_layernorm / kv_a_layernorm (trap 5.1.9; llama.cpp uses 1e-5).
+// The class default of Moonshot's q_a_layernorm / kv_a_layernorm (trap 5.1.9 of docs/kimi-k3.md; llama.cpp uses 1e-5).
 inline constexpr float kMlaLoraEps = 1e-6f;
 
 struct MlaDims {
@@ -512,7 +514,7 @@ inline void mla_project(const MlaKernels& k, float* q, float* gate, const float*
     for (std::size_t t = 0; t < T; ++t) {
         float* pos = cache.append();
         k.rmsnorm(pos, &kva[t * (R + X)], w.kv_a_norm, R, d.eps);
-        std::copy_n(&kva[t * (R + X) + R], X, pos + R);  // not normalised, not rotated (trap 5.1.2)
+        std::copy_n(&kva[t * (R + X) + R], X, pos + R);  // not normalised, not rotated (trap 5.1.2 of docs/kimi-k3.md)
     }
     // gate: G = sigmoid(g_proj u), from the layer's normalised input u, not from the attention output
     mla_linear(k, gate, u, T, w.g_proj);
@@ -605,13 +607,13 @@ inline void mla_forward(float* y, const float* u, std::size_t tokens, const MlaW
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 8.6 The naive form (spec 3.5.3): the yardstick, not the engine
+// 8.6 The naive form (docs/kimi-k3.md 3.5.3): the yardstick, not the engine
 // ---------------------------------------------------------------------------------------------------
 // Expands every cached position into per-head keys [k_nope ; k_x] and values through kv_b_proj, then
 // attends with 192-wide dot products. Same signature and side effects as mla_forward (it appends the
 // same latents). It costs H (N + Dv) R multiply-adds per position per call, which is exactly what the
 // absorbed form avoids; it exists so that the tests can compare two different associations of the
-// same math (spec: equal to 4e-16 in float64).
+// same math (docs/kimi-k3.md 3.5.4: equal to 4e-16 in float64; tools/selftest.py repeats the check).
 inline void mla_forward_naive(float* y, const float* u, std::size_t tokens, const MlaWeights& w, const MlaDims& d,
                               MlaCache& cache, MlaRecord* record = nullptr) {  // y (T, D), u (T, D)
     detail::mla_check(w, d, cache, tokens, "mla_forward_naive");

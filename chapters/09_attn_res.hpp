@@ -9,7 +9,7 @@
 //   the model has a final one. New since chapter 08: attention over depth instead of over positions,
 //   a per-token bank, and a closed form that makes the bookkeeping obvious.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.2, trap 5.1.10)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.2; its trap 5.1.10)
 //   Block size 12: banks at layers 0, 12, ..., 84, so at most 8 banked vectors plus the running
 //   partial: a mix has 2..9 candidates of D = 7168 floats. Per token that is 9 x 28 kB; there is no
 //   cross-token state (decode keeps nothing between tokens for AttnRes).
@@ -20,7 +20,7 @@
 //   mix        s_i = <v_i / rms(v_i), w> with w = res_norm.weight * res_proj.weight (norm's gamma folded
 //              into the projection); pi = softmax(s); mix = sum_i pi_i v_i (the RAW v_i: keys are
 //              normalised, values are not).
-//   closed form (spec 3.2, verified equal to Moonshot's procedure):
+//   closed form (docs/kimi-k3.md 3.2, verified equal to Moonshot's procedure):
 //              attention input of layer l > 0: mix_attn(B_0 .. B_{floor((l-1)/12)}, P)
 //              FFN input of layer l:           mix_mlp(B_0 .. B_{floor(l/12)}, P + a_l)
 //              final:                          mix_out(B_0 .. B_7, sum over layers 84..92 of (a + m))
@@ -40,6 +40,8 @@
 //   out[j] = sum over i in candidate order (bank first, partial last) of pi_i * v_i[j], from +0.
 //   P + a and P + m are f32 additions (one rounding each). D is any width (chapter 00's tail rule).
 //
+// SOURCES  Kimi Team, "Attention Residuals", arXiv:2603.15031 (Full and Block AttnRes);
+//          MoonshotAI/Attention-Residuals. docs/sources.md 09.
 // USES     chapter 00 (dot, sum_squares, hsum16), chapter 03 (rms_inverse)
 // RUN      make run-09        TEST   make test-09
 //

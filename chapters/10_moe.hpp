@@ -10,7 +10,7 @@
 //   chapter 11 builds the cache that makes the real model fit.
 //   New since chapter 06: routing, top-k with ties, the combine order, latent MoE, grouped fetches.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.6, traps 5.1.3, 5.1.4)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.6; its traps 5.1.3 and 5.1.4)
 //   x (D = 7168) -> router [896, 7168] -> top 16 -> latent down [3584, 7168] -> 16 experts at L = 3584
 //   -> weighted sum -> RMSNorm (3584) -> latent up [7168, 3584];  + shared experts (6144 wide) on x.
 //   Per token and layer: 281 MB of MXFP4 experts, 379.9 MB of bf16 trunk for the router/latent/shared.
@@ -34,6 +34,9 @@
 //   time, bit for bit).
 //   Then rmsnorm (eps = rms_norm_eps) and the up-projection; y = y_routed + y_shared (one rounding).
 //
+// SOURCES  DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437 (sigmoid routing, a
+//          selection-only bias); Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for
+//          Mixture-of-Experts", arXiv:2408.15664 (the bias of noaux_tc). docs/sources.md 10.
 // USES     chapters 00, 02 (Config), 03 (rmsnorm), 04 (linear), 05, 06 (expert_ffn, dense_ffn)
 // RUN      make run-10        TEST   make test-10
 //
@@ -101,7 +104,7 @@ inline Routing route(const float* logits, const float* bias, std::size_t tokens,
                 fail(ErrorKind::runtime, at + "router logit of expert " + std::to_string(e) +
                                              " is NaN for token " + std::to_string(t));
             s[e] = sigmoid(l);
-            biased[e] = s[e] + bias[e];  // selection only (trap 5.1.3)
+            biased[e] = s[e] + bias[e];  // selection only (trap 5.1.3 of docs/kimi-k3.md)
         }
         std::iota(order.begin(), order.end(), 0);
         std::partial_sort(order.begin(), order.begin() + long(k), order.end(), [&](int a, int b) {
@@ -162,7 +165,7 @@ inline std::size_t expert_group_size(std::size_t capacity, bool reads_ahead, std
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 10.3 The MoE layer (spec 3.6, steps 1-9)
+// 10.3 The MoE layer (docs/kimi-k3.md 3.6, steps 1-9)
 // ---------------------------------------------------------------------------------------------------
 struct MoeWeights {
     MatrixRef router;               // (E, D) gate.weight
@@ -246,7 +249,7 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
             float* acc = &y_lat[t * L];
             for (std::size_t j = 0; j < L; ++j) acc[j] = acc[j] + wt * eo[j];
         }
-    // 7: latent norm (the weighted sum comes BEFORE the norm: trap 5.1.4) and the up-projection
+    // 7: latent norm (the weighted sum comes BEFORE the norm: trap 5.1.4 of docs/kimi-k3.md) and the up-projection
     std::vector<float> y_norm(T * L), y_routed(T * D);  // (T, L), (T, D)
     if (w.latent_norm)
         for (std::size_t t = 0; t < T; ++t) rmsnorm(&y_norm[t * L], &y_lat[t * L], w.latent_norm, L, d.eps);

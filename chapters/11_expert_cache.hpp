@@ -11,28 +11,39 @@
 //   one computes, failures that must never become weights), and measuring a cache honestly (retention
 //   across steps, not raw hits).
 //
-// WHERE THIS SITS IN KIMI K3 (spec 2.2, 3.6; prior-art section 1)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 3.6; docs/prior-art.md section 1)
 //   One expert = six U8 tensors stored back to back: 3 x (5,505,024 + 344,064) = 17,547,264 bytes
 //   (= 4284 x 4096). 896 experts x 92 MoE layers = 82,432 experts. A token routes to 16 per layer:
-//   16 x 17.5 MB = 281 MB per token-layer, 25.8 GB per token when nothing is kept. The measured lesson
-//   of the engine before us: K3's router spreads load on purpose, and an LRU cache retained 0% of
-//   experts below ~36 GB of arena (~2,050 slots); memory does more good holding the trunk. So size a
-//   cache from a recorded trace (section 11.6) before giving it memory.
+//   16 x 17.5 MB = 281 MB per token-layer, 25.8 GB per token when nothing is kept.
+//
+//   Why a cache helps little for K3, from these numbers alone. A token walks the 92 MoE layers in order,
+//   16 experts each: 16 x 92 = 1,472 requests (25.8 GB), and the next token walks the same cycle. An
+//   expert of layer l is worth keeping only if the next token picks it again at layer l, 1,471 requests
+//   later. With S < 1,472 slots, LRU has evicted it by then (every slot was reused in between): 0 hits.
+//   Any policy holds at most S of the 82,432 experts, and with the load spread evenly (K3's router is
+//   trained for that: the selection bias of chapter 10) a request finds its expert resident with
+//   probability about S / 82,432: 887 slots (the server preset's 15.6 GB) keep at most ~1.1% of
+//   requests, 2,050 slots (36 GB) ~2.5%, and every 1% more costs 824 slots = 14.5 GB, against 25.8 GB
+//   read per token. The engine before us measured exactly that: its LRU cache retained 0% below ~36 GB
+//   of arena, and memory did more good holding the trunk (docs/prior-art.md section 1). A cache pays
+//   only where routing is skewed (a few experts per layer taking most requests), so size it from a
+//   recorded trace (section 11.6) before giving it memory. make run-11 replays K3-shaped traces with
+//   balanced and with skewed routing at 887, 1,472 and 2,944 slots to show both cases.
 //
 // CONCEPTS
 //   slot          room for one whole expert: the largest aligned read of any expert, a multiple of 4096
 //                 (K3: 17,551,360 = 4285 pages when an expert starts off a page boundary).
 //   O_DIRECT      reads that bypass the page cache: the device writes straight into our buffer, so the
 //                 buffer, the file offset and the length must be multiples of 4096. Buffered reads of a
-//                 1.45 TB working set only churn the page cache (prior art: 1.9 vs 6.6 GB/s).
+//                 1.45 TB working set only churn the page cache (docs/prior-art.md section 1: 1.9 vs 6.6 GB/s).
 //   widened read  the aligned range around an expert: [offset rounded down, end rounded up to 4096).
 //                 The expert starts at offset % 4096 inside the slot; at the end of a file the read
 //                 stops early, which is fine once the expert's last byte has arrived.
 //   hit / miss    a requested expert found in a slot / read from disk into one.
 //   step          begin_step() starts one: a decoded token or a prefill chunk.
 //   retention     a hit on an expert loaded in an EARLIER step. A hit within the same step (an id twice
-//                 in a batch, a layer run twice) says nothing about keeping experts across tokens; prior
-//                 art's raw "hits" counted experts the same batch had just read.
+//                 in a batch, a layer run twice) says nothing about keeping experts across tokens; the
+//                 raw "hits" of docs/prior-art.md section 1 counted experts the same batch had just read.
 //   trace         every (step, layer, expert) request in order. Routing never depends on the cache (the
 //                 router sees activations, not residency), so replaying a trace under another policy or
 //                 size gives exactly the requests that cache would have seen. A trace recorded with
@@ -77,9 +88,12 @@
 //     the farthest next use, ties (never used again) to the lower slot. No policy or size changes a bit
 //     of the model's output: the provider only decides where weights come from.
 //
-// LEAVES OUT  speculative prefetch of experts the router has not chosen yet (prior art measured it as a
-//   loss), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides how much memory the cache gets.
+// LEAVES OUT  speculative prefetch of experts the router has not chosen yet (docs/prior-art.md section 1
+//   measured it as a loss), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides how much memory the cache gets.
 //
+// SOURCES  Belady, "A study of replacement algorithms for a virtual-storage computer", IBM Systems
+//          Journal 5(2), 1966 (the optimum the simulator replays); Eliseev and Mazur, arXiv:2312.17238
+//          (LRU expert offloading); FareedKhan-dev/kimi-k3-in-c (docs/prior-art.md section 1). docs/sources.md 11.
 // USES     chapters 00 (Error), 01 (Fd, AlignedBuffer, pread_exact, pread_hook), 02 (ExpertLocation,
 //          human_bytes), 05 (check_e8m0_scales), 06 (ExpertWeights), 10 (ExpertProvider)
 // RUN      make run-11      TEST   make test-11      BENCH   make bench (bench/bench_experts.hpp)
@@ -463,7 +477,7 @@ class SlotTable {
 struct ExpertCacheOptions {
     bool direct = true;                   // O_DIRECT reads (each shard falls back to buffered if refused)
     int readers = 16;                     // parallel reads per batch: the disk's queue depth (16 = K3's k;
-                                          // prior art on this machine: 0.94 GB/s at depth 1, 1.37 at 16)
+                                          // docs/prior-art.md section 5, on this machine: 0.94 GB/s at depth 1, 1.37 at 16)
     PolicyKind policy = PolicyKind::lru;  // lru or lfu (Belady needs the future: simulator only)
 };
 
@@ -492,6 +506,7 @@ class ExpertCache : public ExpertProvider {
     std::size_t slot_bytes() const { return slot_bytes_; }
     const CacheStats& stats() const { return table_.stats(); }
     const Trace& trace() const { return trace_; }
+    void clear_trace() { trace_.requests.clear(); }  // a long-running program (kimik3 serve) keeps it bounded
     const ExpertStore& store() const { return store_; }
     bool resident(int layer, int e) const { return table_.resident(expert_key(layer, e)); }
     void begin_step() override {

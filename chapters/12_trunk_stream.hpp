@@ -9,7 +9,7 @@
 //   row of a matrix-vector product is computed on its own (chapter 04), streaming changes no bit.
 //   New since chapter 11: planning memory, overlapping I/O with compute safely, and packing the trunk.
 //
-// WHERE THIS SITS IN KIMI K3 (prior-art section 1)
+// WHERE THIS SITS IN KIMI K3 (docs/prior-art.md section 1)
 //   Per layer 0.84-2.34 GB of trunk (layer 0 with the 33,792-wide dense FFN is the largest); small
 //   tensors (norms, conv taps, gate biases) ~0.7 MB per layer, always resident; the KDA states (434 MB)
 //   and the latent MLA cache (24 x 576 floats per position) always resident. The engine before us
@@ -46,6 +46,8 @@
 //     wrote (re-read and compared by hash), and writes trunk.json last, after removing any old one, so
 //     an interrupted pack never leaves a trunk that looks complete.
 //
+// SOURCES  Sheng et al., "FlexGen", arXiv:2303.06865 (planning where weights live, overlapping I/O with
+//          compute); FareedKhan-dev/kimi-k3-in-c (trunk.bin, pinned layers). docs/sources.md 12.
 // USES     chapters 00-02, 04 (MatrixRef, RowStream), 11 (detail::pread_direct, widened reads)
 // RUN      make run-12        TEST   make test-12        CLI   kimik3 pack-trunk, kimik3 plan
 //
@@ -99,6 +101,10 @@ inline std::uint64_t parse_size(const std::string& s) {
     return std::uint64_t(v * unit->second);
 }
 
+// The budget "floor": whatever the plan's floor comes to for this model and context (make_plan resolves
+// it; the CLI's --budget floor). No real budget is this large.
+constexpr std::uint64_t kBudgetFloor = ~std::uint64_t(0);
+
 // MemAvailable from /proc/meminfo, in bytes (0 when unknown).
 inline std::uint64_t mem_available() {
     std::ifstream f("/proc/meminfo");
@@ -110,7 +116,7 @@ inline std::uint64_t mem_available() {
     return 0;
 }
 
-// The named presets for the real K3 (prior art's laptop/desktop/server), and `auto`: 90% of MemAvailable.
+// The named presets for the real K3 (the laptop/desktop/server presets of docs/prior-art.md), and `auto`: 90% of MemAvailable.
 inline std::uint64_t preset_bytes(const std::string& name) {
     if (name == "laptop") return parse_size("8G");
     if (name == "desktop") return parse_size("32G");
@@ -223,7 +229,7 @@ inline std::string plan_error_floor(const Plan& p) {
            std::to_string(p.context) + "-token context";
 }
 
-// Decides the plan. Order of priorities, each justified by prior-art measurements: (1) the floor: carried
+// Decides the plan. Order of priorities, each justified by the measurements of docs/prior-art.md: (1) the floor: carried
 // state, latent KV cache, small tensors, work buffers, three ring slots (two reads in flight while the
 // consumer holds a third), two expert slots; (2) bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
 // byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert
@@ -262,9 +268,10 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     p.ring_bytes = std::uint64_t(p.ring_slots) * slot_bytes(p.chunk_bytes);
     p.expert_bytes = p.expert_slots * expert_slot;
     p.floor = p.total();
+    if (budget == kBudgetFloor) budget = p.budget = p.floor;
     if (budget < p.floor) return p;  // the caller refuses (plan_error_floor)
     std::uint64_t spare = budget - p.floor;
-    // (2) streaming throughput: the largest chunk of 64, 32, ..., 4 MB whose ring takes at most a quarter
+    // (2) streaming throughput: the largest chunk of 64, 32, ..., 4 MiB whose ring takes at most a quarter
     // of what is left (only when the caller left the choice to the planner): bigger reads run closer to
     // the disk's sequential bandwidth.
     if (!o.chunk_bytes && !o.ring_slots)

@@ -2,7 +2,7 @@
 // ====================================================================================================
 //
 // WHAT THIS CHAPTER TEACHES
-//   Everything so far, assembled in the order of spec 3.9: the embedding, 93 layers of AttnRes mixes,
+//   Everything so far, assembled in the order of docs/kimi-k3.md 3.9: the embedding, 93 layers of AttnRes mixes,
 //   norms, KDA or MLA with their carried state, the dense FFN or the latent MoE, then the final mix, the
 //   final norm and lm_head. The forward step takes T tokens at once (a prompt chunk) or one (decode),
 //   and gives each token exactly the bits it would get alone; the memory plan (chapter 12) and the
@@ -10,7 +10,7 @@
 //   session (every layer's carried state) and the three ways to run a sequence: teacher forcing,
 //   greedy generation, and incremental decode checked against full recompute.
 //
-// WHERE THIS SITS IN KIMI K3 (spec 3.1-3.9)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.1-3.9)
 //   Per token: 1 embedding row (14 kB), 108.8 GB of trunk, 16 x 92 experts (25.8 GB), 2.35 GB lm_head
 //   when nothing is resident; the carried state is 434 MB of KDA matrices plus 24 x 576 floats of latent
 //   MLA cache per position.
@@ -25,12 +25,17 @@
 //                 and by construction bit-identical to incremental (a test, and a run option).
 //
 // NUMERICS CONTRACT
-//   Everything is the chapters' contracts composed in spec order; the driver adds no arithmetic of its
-//   own except the embedding widening (exact) and argmax (first maximum: the lowest id wins a tie).
-//   Logits are f32 (spec 3.7: no soft-capping, no scaling). A step of T tokens = T steps of one token.
+//   Everything is the chapters' contracts composed in the order of docs/kimi-k3.md 3.9; the driver adds
+//   no arithmetic of its own except the embedding widening (exact) and argmax (first maximum: the
+//   lowest id wins a tie). Logits are f32 (docs/kimi-k3.md 3.7: no soft-capping, no scaling). A step
+//   of T tokens = T steps of one token.
+//   A tentative step (13.3, for chapter 16) gives the same logits and leaves the KDA states untouched.
 //
+// SOURCES  Kimi Linear, arXiv:2510.26692; Attention Residuals, arXiv:2603.15031; the K3 release's
+//          modeling_kimi_linear.py. Exactness is checked against tools/k3_reference.py (float64 PyTorch,
+//          fixtures/tiny-k3/reference). docs/sources.md 13.
 // USES     chapters 02, 06-12
-// RUN      make run (kimik3 run on the tiny K3)     TEST   make test-13 (the exactness gates)
+// RUN      make run-13 (this example; make run runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
 //   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step
@@ -139,16 +144,43 @@ struct Session {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// 13.3 One forward step: T new tokens through the whole model (spec 3.9)
+// 13.3 One forward step: T new tokens through the whole model (docs/kimi-k3.md 3.9)
 // ---------------------------------------------------------------------------------------------------
+// What one step chose, for programs that show the model at work (kimik3 serve's page). Optional: forward
+// fills it only when given one, and nothing reads it to compute, so it cannot change a bit.
+struct StepRecord {
+    struct Layer {
+        std::size_t attn_candidates = 0, mlp_candidates = 0;  // n of each depth mix (0: layer 0's skipped mix)
+        std::vector<float> attn_mix, mlp_mix;                 // (T, n) AttnRes weights pi, bank first, partial last
+        Routing routing;                                      // MoE layers: ids, weights (T, K), scores (T, E)
+    };
+    std::size_t tokens = 0;                                   // T
+    std::vector<Layer> layers;                                // (layers)
+    std::size_t out_candidates = 0;
+    std::vector<float> out_mix;                               // (T, n) the final mix (only the tokens with logits)
+};
+
+// A tentative step (chapter 16 verifies drafted tokens with one): every KDA layer runs on `scratch`, a
+// copy of its state, so the session's KDA states stay as they were, and keeps its tokens' projected
+// inputs in inputs[layer], from which the tokens that are kept are replayed later (kda_advance) without
+// reading a weight. MLA caches and the token list grow as in any step (a cache truncates). The logits
+// are those of an ordinary step, bit for bit.
+struct TentativeKda {
+    std::vector<KdaInputs> inputs;    // per layer (KDA layers only)
+    KdaState scratch;                 // one layer's state at a time (6.7 MB at K3, not 465 MB)
+    std::size_t start = 0, tokens = 0;  // the step: its first position and its T
+};
+
 // `logits` receives (T, V) when all_logits, else only the last token's (1, V).
-inline void forward(float* logits, Model& model, Session& s, const std::int64_t* ids, std::size_t T, bool all_logits) {
+inline void forward(float* logits, Model& model, Session& s, const std::int64_t* ids, std::size_t T, bool all_logits,
+                    StepRecord* record = nullptr, TentativeKda* tentative = nullptr) {
     const Config& c = model.config;
     const std::size_t D = std::size_t(c.hidden_size);
     const float eps = c.rms_norm_eps;
     TrunkWeights& tw = model.trunk();
     auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // norms, biases, taps: f32 (chapter 12)
     if (model.experts()) model.experts()->begin_step();
+    if (tentative) tentative->start = s.position(), tentative->tokens = T;
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
     std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
@@ -156,6 +188,12 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
     const auto t_start = clock::now();
     model.layer_seconds.assign(std::size_t(c.num_hidden_layers), 0.0);
     std::vector<ResidualState> res(T);
+    if (record) record->tokens = T, record->layers.assign(std::size_t(c.num_hidden_layers), {});
+    // where token t's depth weights of one mix go when recording: rec (T, n), n = this mix's candidates
+    auto mix_weights = [&](std::vector<float>& rec, std::size_t& n, std::size_t t) -> float* {
+        if (t == 0) n = res[0].bank.size() + (res[0].has_partial ? 1 : 0), rec.assign(T * n, 0.0f);
+        return rec.data() + t * n;
+    };
     for (std::size_t t = 0; t < T; ++t) {
         tw.embed_row(&x[t * D], ids[t]);
         res[t].start(&x[t * D], D);
@@ -166,8 +204,10 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
         const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
         // [AttnRes attn-mix] -> RMSNorm(input_layernorm)
         attn_res_fold(w.data(), AttnResWeights{vec(lt.attn_res_norm), vec(lt.attn_res_proj)}, D);
+        StepRecord::Layer* rl = record ? &record->layers[std::size_t(l)] : nullptr;
         for (std::size_t t = 0; t < T; ++t) {
-            res[t].attn_input(&x[t * D], l, c.attn_res_block_size, w.data(), eps);
+            float* pi = rl && l > 0 ? mix_weights(rl->attn_mix, rl->attn_candidates, t) : nullptr;  // layer 0 does not mix
+            res[t].attn_input(&x[t * D], l, c.attn_res_block_size, w.data(), eps, pi);
             rmsnorm(&u[t * D], &x[t * D], vec(lt.input_norm), D, eps);
         }
         // {KDA | Gated MLA} -> partial += out
@@ -175,7 +215,14 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             const KdaWeights kw{tw.matrix(lt.q_proj), tw.matrix(lt.k_proj), tw.matrix(lt.v_proj), tw.matrix(lt.f_a_proj),
                                 tw.matrix(lt.f_b_proj), tw.matrix(lt.b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj),
                                 vec(lt.q_conv), vec(lt.k_conv), vec(lt.v_conv), vec(lt.A_log), vec(lt.dt_bias), vec(lt.o_norm)};
-            kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), *s.kda[std::size_t(l)]);
+            KdaState& state = *s.kda[std::size_t(l)];
+            if (tentative) {
+                tentative->inputs.resize(std::size_t(c.num_hidden_layers));
+                tentative->scratch = state;
+                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), tentative->scratch, nullptr, &tentative->inputs[std::size_t(l)]);
+            } else {
+                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), state);
+            }
         } else {
             const MlaWeights mw{tw.matrix(lt.q_a_proj), vec(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
                                 vec(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};
@@ -185,7 +232,7 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
         // [AttnRes mlp-mix] -> RMSNorm(post_attention_layernorm)
         attn_res_fold(w.data(), AttnResWeights{vec(lt.mlp_res_norm), vec(lt.mlp_res_proj)}, D);
         for (std::size_t t = 0; t < T; ++t) {
-            res[t].mix(&x[t * D], w.data(), eps);
+            res[t].mix(&x[t * D], w.data(), eps, rl ? mix_weights(rl->mlp_mix, rl->mlp_candidates, t) : nullptr);
             rmsnorm(&u[t * D], &x[t * D], vec(lt.post_attn_norm), D, eps);
         }
         // {dense SiTU | latent MoE + shared} -> partial += out
@@ -198,7 +245,9 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
                                                : DenseFfnWeights{};
             const MoeWeights mw{tw.matrix(lt.router), vec(lt.router_bias), tw.matrix(lt.latent_down),
                                 lt.latent_norm ? vec(lt.latent_norm) : nullptr, tw.matrix(lt.latent_up), shared};
-            moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts());
+            MoeRecord moe;
+            moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts(), rl ? &moe : nullptr);
+            if (rl) rl->routing = std::move(moe.routing);
         }
         for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
         model.layer_seconds[std::size_t(l)] = std::chrono::duration<double>(clock::now() - t_layer).count();
@@ -207,8 +256,9 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
     const auto t_head = clock::now();
     attn_res_fold(w.data(), AttnResWeights{vec(model.tensors.out_res_norm), vec(model.tensors.out_res_proj)}, D);
     const std::size_t first = all_logits ? 0 : T - 1, n = T - first;
+    if (record) record->out_candidates = res[first].bank.size() + (res[first].has_partial ? 1 : 0), record->out_mix.assign(n * record->out_candidates, 0.0f);
     for (std::size_t t = first; t < T; ++t) {
-        res[t].mix(&x[t * D], w.data(), eps);
+        res[t].mix(&x[t * D], w.data(), eps, record ? &record->out_mix[(t - first) * record->out_candidates] : nullptr);
         rmsnorm(&u[(t - first) * D], &x[t * D], vec(model.tensors.final_norm), D, eps);
     }
     linear(logits, u.data(), n, tw.lm_head());

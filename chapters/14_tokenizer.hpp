@@ -13,7 +13,7 @@
 //   `tiktoken.model` has 163,584 lines `base64(token bytes) rank` (2,795,286 bytes; ranks 0..255 are the
 //   single bytes); `tokenizer_config.json` names 256 special ids 163584..163839 ([BOS] 163584,
 //   [EOS] 163585, <|end_of_msg|> 163586, <|open|> 163587, ...), so V = 163,840 = the embedding rows.
-//   The real file is not bundled (spec section 4): the tests use the tiny K3's 512-token vocabulary
+//   The real file is not bundled (docs/kimi-k3.md section 4): the tests use the tiny K3's 512-token vocabulary
 //   (fixtures/tiny-k3) and a synthetic 163,584-token one (tests/large_vocab.hpp).
 //
 // CONCEPTS
@@ -30,7 +30,7 @@
 //     U+10000..U+10FFFF  11110xxx 10xxxxxx 10xxxxxx 10xxxxxx    lead F0 (2nd 90..BF), F1..F3, F4 (2nd 80..8F)
 //
 // CONTRACT (what the tests hold this chapter to)
-//   1. Pre-tokens are exactly the matches of K3's pat_str (spec section 4) under the semantics of the
+//   1. Pre-tokens are exactly the matches of K3's pat_str (docs/kimi-k3.md section 4) under the semantics of the
 //      Rust regex behind tiktoken: leftmost-first alternation with backtracking, \s = White_Space,
 //      \p{Han} = Script=Han, Unicode 16.0 data (the version of regex-syntax 0.8.5 inside tiktoken;
 //      code points assigned later count as unassigned). (?i:'s) also matches 'ſ (U+017F folds to s).
@@ -204,7 +204,7 @@ class Utf8Stream {
 // ---------------------------------------------------------------------------------------------------
 // 14.3 The pre-tokenizer: K3's regex as a scanner
 // ---------------------------------------------------------------------------------------------------
-// pat_str is eight alternatives joined with "|" (spec section 4). Written with U = [\p{Lu}\p{Lt}\p{Lm}
+// pat_str is eight alternatives joined with "|" (docs/kimi-k3.md section 4). Written with U = [\p{Lu}\p{Lt}\p{Lm}
 // \p{Lo}\p{M}&&[^\p{Han}]] ("upper-ish"), W = [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]] ("lower-ish"),
 // X = [^\r\n\p{L}\p{N}] (an optional one-character prefix), C = (?i:'s|'t|'re|'ve|'m|'ll|'d):
 //   A1  [\p{Han}]+                     A5   ?[^\s\p{L}\p{N}]+[\r\n]*

@@ -17,7 +17,7 @@
 //   where <|open|> 163587, <|sep|> 163589, <|close|> 163588 and <|end_of_msg|> 163586 are special ids
 //   and `message role="user"`, `Hello`, `message` are BPE-encoded text. The model's logits have
 //   V = 163,840 entries; generation stops at <|end_of_msg|> (config.json's eos_token_id) or at [EOS]
-//   163585 (tokenizer_config.json's eos_token): spec trap 5.1.12.
+//   163585 (tokenizer_config.json's eos_token): docs/kimi-k3.md trap 5.1.12.
 //
 // CONCEPTS
 //   segment     a run of the rendered chat that is either one structural special or one text string.
@@ -26,7 +26,7 @@
 //   temperature logits are divided by T before the softmax; T -> 0 is greedy.
 //   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
 //
-// THE XTML LAYOUT (spec section 4; "[x]" is a special id, everything else BPE-encoded text)
+// THE XTML LAYOUT (docs/kimi-k3.md section 4; "[x]" is a special id, everything else BPE-encoded text)
 //   message     [<|open|>]message role="R"( type="T")( name="N")( tool="F" index="I")[<|sep|>]
 //                 BODY [<|close|>]message[<|sep|>][<|end_of_msg|>]
 //   assistant   BODY = ([<|open|>]think[<|sep|>]REASONING[<|close|>]think[<|sep|>])    when thinking is on
@@ -42,7 +42,7 @@
 //
 // CONTRACT
 //   1. Rendering is deterministic; messages appear in the order given; nothing is added that the
-//      spec does not describe. Choices where the spec is silent, each tested: the attribute order
+//      docs/kimi-k3.md does not describe. Choices where it is silent, each tested: the attribute order
 //      role, type, name, tool, index; call indices count from 1 in order; with thinking on, every
 //      assistant message gets a think block (empty when it has no reasoning); with thinking off none
 //      does; reasoning that is only whitespace renders as an empty think block (the template trims it
@@ -61,6 +61,11 @@
 //   3. The generator is splitmix64 (state += 0x9E3779B97F4A7C15, then the finaliser); a draw is
 //      u = (next() >> 40) * 2^-24, a multiple of 2^-24 in [0, 1), exact in f32. Nothing here uses
 //      threads or std:: distributions (whose algorithms are implementation-defined).
+//      The token at position p of a sequence (p tokens before it) is drawn with output p of the seed's
+//      stream, computed directly: splitmix64 is a counter (output n = finaliser(seed + (n + 1) x gamma)),
+//      so a draw depends on (seed, position) alone, never on how many draws came before it. Hence a
+//      resumed session draws what the first process would have, and chapter 16's speculation, which
+//      chooses several positions in one step, samples exactly what one-token steps sample.
 //
 //   4. A chat turn feeds exactly the tokens the session has not seen (what closes the previous reply,
 //      the new message, the generation prompt) and carries every layer's state forward: no history is
@@ -104,7 +109,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 struct ToolArgument {
     std::string key{};
-    std::string type = "string";             // written as given: the spec shows only "string"
+    std::string type = "string";             // written as given: docs/kimi-k3.md shows only "string"
     std::string value{};                     // the argument's text, already formatted by the caller
 };
 
@@ -236,7 +241,7 @@ inline std::vector<std::uint32_t> render_chat(const Tokenizer& tok, std::span<co
 // ---------------------------------------------------------------------------------------------------
 // 15.3 Stop tokens
 // ---------------------------------------------------------------------------------------------------
-// Both ends count (trap 5.1.12): <|end_of_msg|> ends a turn (config.json's eos_token_id), [EOS] is the
+// Both ends count (trap 5.1.12 of docs/kimi-k3.md): <|end_of_msg|> ends a turn (config.json's eos_token_id), [EOS] is the
 // tokenizer's eos_token. A vocabulary that lacks either is refused here, before any generation.
 struct StopTokens {
     std::uint32_t end_of_msg = 0, eos = 0;
@@ -252,17 +257,23 @@ inline StopTokens stop_tokens(const Tokenizer& tok) { return {tok.special_id("<|
 // well-known 0xE220A8397B1DCDAF (test 15.4), so anyone can check an implementation by hand.
 class SplitMix64 {
   public:
+    static constexpr std::uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio, odd
     explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-    std::uint64_t next() {
-        std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    std::uint64_t next() { return finalise(state_ += kGamma); }
+    // The top 24 bits as a multiple of 2^-24: every value is exact in f32 and below 1.
+    float uniform() { return to_uniform(next()); }
+    // Output n (from 0) of the stream seeded with `seed`, without drawing the n before it: the state
+    // after n + 1 steps is seed + (n + 1) x gamma (mod 2^64).
+    static std::uint64_t at(std::uint64_t seed, std::uint64_t n) { return finalise(seed + (n + 1) * kGamma); }
+    static float uniform_at(std::uint64_t seed, std::uint64_t n) { return to_uniform(at(seed, n)); }
+
+  private:
+    static std::uint64_t finalise(std::uint64_t z) {
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         return z ^ (z >> 31);
     }
-    // The top 24 bits as a multiple of 2^-24: every value is exact in f32 and below 1.
-    float uniform() { return float(next() >> 40) * 0x1p-24f; }
-
-  private:
+    static float to_uniform(std::uint64_t x) { return float(x >> 40) * 0x1p-24f; }
     std::uint64_t state_;
 };
 
@@ -273,6 +284,7 @@ struct SamplingParams {
     float temperature = 1.0f;  // <= 0: greedy
     int top_k = 0;             // 0: no limit
     float top_p = 1.0f;        // >= 1: no limit
+    std::uint64_t seed = 0;    // the draw for position p is SplitMix64::uniform_at(seed, p) (contract 3)
 };
 
 struct TokenCandidate {
@@ -328,11 +340,12 @@ inline std::uint32_t sample_from(std::span<const TokenCandidate> kept, float u) 
     return kept.back().id;
 }
 
-// One token. Greedy draws nothing from rng; every other setting draws exactly one u.
-inline std::uint32_t sample(std::span<const float> logits, const SamplingParams& sp, SplitMix64& rng) {  // logits (V)
+// The token at `position` (the number of tokens before it in the sequence). Greedy uses no draw; every
+// other setting uses u = uniform_at(seed, position), the same whatever was drawn before.
+inline std::uint32_t sample(std::span<const float> logits, const SamplingParams& sp, std::uint64_t position) {  // logits (V)
     if (!(sp.temperature > 0.0f)) return greedy(logits);
     const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
-    return sample_from(kept, rng.uniform());
+    return sample_from(kept, SplitMix64::uniform_at(sp.seed, position));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -340,10 +353,11 @@ inline std::uint32_t sample(std::span<const float> logits, const SamplingParams&
 // ---------------------------------------------------------------------------------------------------
 // Feeds `fresh` (in forward steps of at most `chunk` tokens), then draws up to `max_new` tokens, one
 // forward step each, until `on_token(id)` returns false (a stop token: it is NOT fed; the caller keeps
-// it for the next turn). Returns the drawn ids, stop token included when there was one.
+// it for the next turn). Returns the drawn ids, stop token included when there was one. Each token is
+// drawn at its position in the session (contract 3).
 template <class OnToken>
 std::vector<std::int64_t> continue_session(Model& model, Session& s, const std::vector<std::int64_t>& fresh, std::size_t max_new,
-                                           const SamplingParams& sp, SplitMix64& rng, std::size_t chunk, OnToken&& on_token,
+                                           const SamplingParams& sp, std::size_t chunk, OnToken&& on_token,
                                            std::vector<float>* logits_out = nullptr) {  // logits_out (drawn, V)
     const std::size_t V = std::size_t(model.config.vocab_size);
     if (fresh.empty()) fail(ErrorKind::usage, "continue_session: nothing to feed");
@@ -353,7 +367,7 @@ std::vector<std::int64_t> continue_session(Model& model, Session& s, const std::
     std::vector<std::int64_t> drawn;
     for (std::size_t n = 0; n < max_new; ++n) {
         if (logits_out) logits_out->insert(logits_out->end(), last.begin(), last.end());
-        const std::int64_t id = std::int64_t(sample(last, sp, rng));
+        const std::int64_t id = std::int64_t(sample(last, sp, s.position()));
         drawn.push_back(id);
         if (!on_token(id) || n + 1 == max_new) break;
         forward(last.data(), model, s, &id, 1, false);
@@ -421,9 +435,11 @@ inline std::vector<std::int64_t> close_reply(const Tokenizer& tok, std::span<con
 
 // One user message in, the assistant's reply out (streamed through on_text as complete UTF-8). The first
 // turn of a conversation begins with render_chat_start's messages (Chat::pending holds them).
-template <class OnText>
-std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& tok, const std::string& user, std::size_t max_new,
-                                    const SamplingParams& sp, SplitMix64& rng, OnText&& on_text) {
+// `cont(fresh, on_token)` feeds the fresh tokens and draws the reply with continue_session's contract
+// (chat_turn passes continue_session itself; chapter 16 passes its speculative form).
+template <class OnText, class Continue>
+std::vector<std::int64_t> chat_turn_with(Chat& chat, const Tokenizer& tok, const std::string& user, std::size_t max_new, OnText&& on_text,
+                                         Continue&& cont) {
     ChatWriter w(tok);
     const ChatMessage m{"user", user};
     render_message(w, m, chat.options);
@@ -440,7 +456,7 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
                                    " more: /reset, or start with a larger --context");
     const StopTokens stops = stop_tokens(tok);
     Utf8Stream utf8;
-    const std::vector<std::int64_t> reply = continue_session(model, chat.session, fresh, max_new, sp, rng, 32, [&](std::int64_t id) {
+    const std::vector<std::int64_t> reply = cont(fresh, [&](std::int64_t id) {
         if (stops.contains(std::uint32_t(id))) return false;
         const std::uint32_t u = std::uint32_t(id);
         on_text(utf8.push(tok.decode(std::span<const std::uint32_t>(&u, 1))));
@@ -449,6 +465,14 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
     on_text(utf8.finish());
     chat.pending = close_reply(tok, reply, chat.options.thinking);  // fed first by the next turn
     return reply;
+}
+
+template <class OnText>
+std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& tok, const std::string& user, std::size_t max_new,
+                                    const SamplingParams& sp, OnText&& on_text) {
+    return chat_turn_with(chat, tok, user, max_new, on_text, [&](const std::vector<std::int64_t>& fresh, auto&& on_token) {
+        return continue_session(model, chat.session, fresh, max_new, sp, 32, on_token);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------

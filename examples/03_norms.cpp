@@ -23,6 +23,7 @@ int main() {
     std::printf("  sum of squares (16 lanes + hsum16) = %.1f, mean = %.4f, 1/rms = %.7f\n", double(ss), double(ss / 16),
                 double(rms_inverse(ss, 16, 1e-5f)));
     show("x", x);
+    show("gamma", gamma);
     rmsnorm_ref(y.data(), x.data(), gamma.data(), 16, 1e-5f);
     show("rmsnorm_ref(x)", y);
     rmsnorm_simd(y2.data(), x.data(), gamma.data(), 16, 1e-5f);

@@ -7,23 +7,43 @@
 
 using namespace kimik3;
 
+// A plain loop that adds the products in the given order (for comparison only; not the contract).
+static float dot_in_order(const bf16* w, const float* x, std::size_t n, bool backwards) {
+    float acc = 0.0f;
+    for (std::size_t k = 0; k < n; ++k) {
+        const std::size_t c = backwards ? n - 1 - k : k;
+        acc = acc + bf16_to_f32(w[c]) * x[c];
+    }
+    return acc;
+}
+
 int main() {
-    std::printf("4.1 y = W x, W bf16 [3, 32] row-major, x f32 [32]\n");
-    const std::size_t rows = 3, cols = 32;
+    std::printf("4.1 y = W x, W bf16 [3, 64] row-major, x f32 [64]: large terms that cancel and small ones,\n"
+                "    so the order of the additions decides the last bits\n");
+    const std::size_t rows = 3, cols = 64;
     std::vector<bf16> w(rows * cols);
     std::vector<float> x(cols);
-    for (std::size_t c = 0; c < cols; ++c) x[c] = 0.25f * float(c);
+    // every 4th x is about 10^4, the rest about 10^-3; the weights give the large terms alternating signs
+    for (std::size_t c = 0; c < cols; ++c) x[c] = c % 4 == 0 ? 10000.0f + float(c) : 0.001f * float(c + 1) / 11.0f;
     for (std::size_t r = 0; r < rows; ++r)
-        for (std::size_t c = 0; c < cols; ++c) w[r * cols + c] = f32_to_bf16(float(r + 1) * ((c % 3) == 0 ? 1.0f : -0.5f));
-    std::printf("  row 0 starts   ");
-    for (std::size_t c = 0; c < 6; ++c) std::printf(" %04x=%+.2f", w[c], double(bf16_to_f32(w[c])));
+        for (std::size_t c = 0; c < cols; ++c)
+            w[r * cols + c] = f32_to_bf16(c % 4 == 0 ? ((c / 4) % 2 ? -1.0f : 1.0f) : float(r + 1) * ((c % 3) == 0 ? 1.0f : -0.5f));
+    std::printf("  x starts        ");
+    for (std::size_t c = 0; c < 5; ++c) std::printf(" %g", double(x[c]));
+    std::printf(" ...\n  row 0 starts   ");
+    for (std::size_t c = 0; c < 5; ++c) std::printf(" %04x=%+.2f", w[c], double(bf16_to_f32(w[c])));
     std::printf(" ...\n");
     std::vector<float> y_ref(rows), y_simd(rows);
     matvec_bf16_ref(y_ref.data(), x.data(), w.data(), rows, cols);
     matvec_bf16_simd(y_simd.data(), x.data(), w.data(), rows, cols);
-    for (std::size_t r = 0; r < rows; ++r)
-        std::printf("  y[%zu] = %9.4f  (reference)   %9.4f  (SIMD)   same bits: %s\n", r, double(y_ref[r]), double(y_simd[r]),
-                    std::bit_cast<std::uint32_t>(y_ref[r]) == std::bit_cast<std::uint32_t>(y_simd[r]) ? "yes" : "NO");
+    auto bits = [](float v) { return std::bit_cast<std::uint32_t>(v); };
+    std::printf("        16 lanes + hsum16 (reference | SIMD)      plain loop, left to right   right to left\n");
+    for (std::size_t r = 0; r < rows; ++r) {
+        const float fwd = dot_in_order(&w[r * cols], x.data(), cols, false), bwd = dot_in_order(&w[r * cols], x.data(), cols, true);
+        std::printf("  y[%zu] %+.7e %08x | %08x %s   %+.7e %08x  %+.7e %08x\n", r, double(y_ref[r]), bits(y_ref[r]),
+                    bits(y_simd[r]), bits(y_ref[r]) == bits(y_simd[r]) ? "same" : "DIFF", double(fwd), bits(fwd), double(bwd), bits(bwd));
+    }
+    std::printf("  (the three orders disagree in the last bits; the reference and SIMD paths share one order)\n");
 
     std::printf("\n4.2 one 32-bit load = two bf16: u << 16 is the even weight, u & 0xFFFF0000 the odd one\n");
     const std::uint32_t u = std::uint32_t(w[0]) | std::uint32_t(w[1]) << 16;

@@ -1,7 +1,8 @@
 // Example for chapter 07: a KDA state written by one token, then decaying channel by channel; then a
-// real KDA layer of the tiny K3 run as prefill + decode.
+// real KDA layer of the tiny K3 run as one prefill of 10 tokens and as prefill 7 + decode 3, bit for bit.
 //   make run-07
 #include <cstdio>
+#include <cstring>
 #include <deque>
 
 #include "../chapters/07_kda.hpp"
@@ -20,7 +21,7 @@ int main() {
     for (std::size_t j = 0; j < Dh; ++j) v[j] = float(j + 1);
     kda_recurrence_ref(o.data(), S.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
     std::printf("  read back with q = e0: o[0..4] = %g %g %g %g %g\n", double(o[0]), double(o[1]), double(o[2]), double(o[3]), double(o[4]));
-    std::printf("\n7.3 then four tokens with beta = 0: the state only decays, by alpha of each KEY channel\n");
+    std::printf("\n7.4 then four tokens with beta = 0: the state only decays, by alpha (7.3's gate) of each KEY channel\n");
     for (std::size_t i = 0; i < Dh; ++i) alpha[i] = 1.0f - 0.05f * float(i);  // key channel i keeps 1 - 0.05 i per token
     alpha[0] = 0.5f;  // key channel 0 (where v was written) halves each token
     beta[0] = 0.0f;
@@ -32,7 +33,7 @@ int main() {
     std::printf("  (each step multiplies key channel 0 by alpha_0 = 0.5; key channel 3 would keep %.2f, channel 15 %.2f)\n",
                 double(alpha[3]), double(alpha[15]));
 
-    std::printf("\n7.5 the tiny K3's layer 1 on the reference's inputs: prefill 7 tokens, decode 3\n");
+    std::printf("\n7.5 the tiny K3's layer 1 on the reference's inputs: 10 tokens at once, and 7 then 3\n");
     try {
         const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/fixtures/tiny-k3";
         const Config c = load_config(dir);
@@ -54,17 +55,25 @@ int main() {
         SafetensorsFile ref(dir + "/reference/layers.safetensors");
         const auto u = to_f32(ref.read("layer.1.attn_norm_out"));
         KdaState st(d);
-        std::printf("  state: %zu heads x %zu x %zu floats + conv history = %zu bytes (K3: 6.7 MB per layer)\n", d.heads,
-                    d.head_dim, d.head_dim, st.bytes());
-        std::vector<float> y(10 * d.hidden);
+        std::printf("  state: %zu heads x %zu x %zu floats + conv history = %zu bytes (K3: 6.29 MB of S + 0.44 MB of conv\n"
+                    "  history = 6.73 MB per layer)\n", d.heads, d.head_dim, d.head_dim, st.bytes());
+        std::vector<float> y(10 * d.hidden), y10(10 * d.hidden);
         kda_forward(y.data(), u.data(), 7, w, d, st);
         kda_forward(y.data() + 7 * d.hidden, u.data() + 7 * d.hidden, 3, w, d, st);
+        KdaState st10(d);
+        kda_forward(y10.data(), u.data(), 10, w, d, st10);
+        auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        };
+        std::printf("  10 at once vs 7 + 3: outputs (10 x %zu floats) same bits: %s; state S same bits: %s; conv history: %s\n",
+                    d.hidden, same(y, y10) ? "yes" : "NO", same(st.S, st10.S) ? "yes" : "NO",
+                    same(st.history, st10.history) ? "yes" : "NO");
         for (std::size_t h = 0; h < d.heads; ++h) {
             double n2 = 0;
             for (std::size_t i = 0; i < d.head_dim * d.head_dim; ++i) n2 += double(st.S[h * d.head_dim * d.head_dim + i]) * st.S[h * d.head_dim * d.head_dim + i];
             std::printf("  head %zu: A_log %+.2f -> |S| after 10 tokens %.5f\n", h, double(w.A_log[h]), std::sqrt(n2));
         }
-        std::printf("  y of the last token, [0..5]:");
+        std::printf("  y of the last token, [0..5] (either way):");
         for (int j = 0; j < 6; ++j) std::printf(" %9.5f", double(y[9 * d.hidden + std::size_t(j)]));
         std::printf("\n");
     } catch (const Error& e) {

@@ -39,28 +39,34 @@ int main() {
         const auto x0 = row("layer.0.attn_mix_out");
         r.start(x0.data(), D);
         std::vector<float> x(D), pi(16);
-        auto show = [&](int l, const char* side, std::size_t n) {
+        // partial: whether the last of the n candidates is P (read before any banking of this layer)
+        auto show = [&](int l, const char* side, std::size_t n, bool partial, const char* note = "") {
             std::printf("  %5d  %-4s ", l, side);
             for (std::size_t i = 0; i < n; ++i) {
-                if (i + 1 == n && r.has_partial) std::printf("  P %.3f", double(pi[i]));
+                if (i + 1 == n && partial) std::printf("  P %.3f", double(pi[i]));
                 else std::printf(" B%zu %.3f", i, double(pi[i]));
             }
-            std::printf("\n");
+            std::printf("%s\n", note);
         };
         for (int l = 0; l < c.num_hidden_layers; ++l) {
             const LayerTensors& lt = m.layers[std::size_t(l)];
             const std::string p = "layer." + std::to_string(l) + ".";
             const std::size_t n = r.candidates().size();
+            const bool partial = r.has_partial;
             r.attn_input(x.data(), l, c.attn_res_block_size, fold(lt.attn_res_norm, lt.attn_res_proj).data(), c.rms_norm_eps, pi.data());
             if (l == 0) std::printf("  %5d  attn  (layer 0: the embedding itself, no mix; then banked as B0)\n", l);
-            else show(l, "attn", n);
+            else if (l % c.attn_res_block_size == 0) {
+                char note[48];
+                std::snprintf(note, sizeof note, "   (P is a finished block: banked as B%zu)", n - 1);
+                show(l, "attn", n, partial, note);
+            } else show(l, "attn", n, partial);
             r.add(row(p + "attn_out").data());
             r.mix(x.data(), fold(lt.mlp_res_norm, lt.mlp_res_proj).data(), c.rms_norm_eps, pi.data());
-            show(l, "ffn", r.candidates().size());
+            show(l, "ffn", r.candidates().size(), r.has_partial);
             r.add(row(p + "mlp_out").data());
         }
         r.mix(x.data(), fold(m.out_res_norm, m.out_res_proj).data(), c.rms_norm_eps, pi.data());
-        show(c.num_hidden_layers, "out", r.candidates().size());
+        show(c.num_hidden_layers, "out", r.candidates().size(), r.has_partial);
         std::printf("\n  (the weights sum to 1 across a row; no candidate is ever simply added)\n");
     } catch (const Error& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

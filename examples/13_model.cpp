@@ -1,4 +1,5 @@
-// Example for chapter 13: the whole tiny K3 against the PyTorch reference: teacher forcing, then greedy.
+// Example for chapter 13: the whole tiny K3 against the PyTorch reference: teacher forcing, the same
+// logits at two budgets and two thread counts, then greedy.
 //   make run-13
 #include <cstdio>
 
@@ -39,7 +40,30 @@ int main() {
         std::partial_sort(order.begin(), order.begin() + 3, order.end(), [&](std::size_t a, std::size_t b) { return logits[a] > logits[b]; });
         for (int k = 0; k < 3; ++k) std::printf("  id %zu %.4f", order[std::size_t(k)], double(logits[order[std::size_t(k)]]));
 
-        std::printf("\n\n13.4 greedy generation after a %zu-id prompt, incremental and full recompute\n", prompt.size());
+        // The budget decides only where weights come from; threads split outputs, never sums: so the
+        // hash of all 32 x V logits is the same in all four runs.
+        std::printf("\n  the same %zu logits (FNV-1a hash of their bytes) at two budgets and two thread counts:\n", logits.size());
+        const int threads_before = max_threads();
+        for (const bool at_floor : {false, true}) {
+            ModelOptions ob;
+            ob.budget = at_floor ? kBudgetFloor : 0;  // the plan's floor, or everything resident
+            Model m(dir, ob);
+            for (const int nt : {1, 2}) {
+                set_threads(nt);
+                Session s2(m.config, 64);
+                const std::vector<float> l = teacher_force(m, s2, tf, 32);
+                std::printf("    %-34s %d thread%s  %016llx  %s\n",
+                            at_floor ? ("floor, " + human_bytes(double(m.plan.budget)) + " (weights streamed)").c_str()
+                                     : "everything resident",
+                            nt, nt == 1 ? ": " : "s:",
+                            (unsigned long long)hash_bytes(reinterpret_cast<const std::byte*>(l.data()), l.size() * sizeof(float)),
+                            std::memcmp(l.data(), logits.data(), l.size() * sizeof(float)) == 0 ? "same bits" : "DIFFERENT");
+            }
+        }
+        set_threads(threads_before);
+        std::printf("  (fixtures/tiny-k3/engine_tf_logits.hash pins this value for every build: make test-13)\n");
+
+        std::printf("\n13.4 greedy generation after a %zu-id prompt, incremental and full recompute\n", prompt.size());
         auto quiet = [](std::size_t, std::int64_t) {};
         const Generation inc = generate_greedy(model, prompt, greedy.size(), 32, false, 64, quiet);
         const Generation rec = generate_greedy(model, prompt, greedy.size(), 32, true, 64, quiet);

@@ -43,13 +43,21 @@ int main(int argc, char** argv) {
     const std::string dir = argc > 1 ? argv[1] : KIMIK3_SOURCE_DIR "/fixtures/tiny-k3";
     const std::string text = argc > 2 ? argv[2] : "The tokenizer doesn't split 中文; it merges 12345 bytes!\n";
     const Tokenizer tok = Tokenizer::load(dir);
-    std::printf("14.5 vocabulary: %u BPE tokens (ranks 0..%u) + %u specials = %u ids; [EOS] = %u\n", tok.bpe_size(),
-                tok.bpe_size() - 1, tok.vocab_size() - tok.bpe_size(), tok.vocab_size(), tok.special_id("[EOS]"));
+
+    std::printf("14.2 streaming the bytes of \"中\" (E4 B8 AD) one at a time\n");
+    Utf8Stream stream;
+    for (char b : std::string("中")) {
+        const std::string out = stream.push(std::string_view(&b, 1));
+        std::printf("      push %02x -> prints \"%s\" (holding %zu bytes)\n", unsigned(std::uint8_t(b)), out.c_str(), stream.held());
+    }
 
     std::printf("\n14.3 pre-tokens of \"%s\"\n   ", show(text).c_str());
     const std::vector<std::string_view> pieces = pretokenize(text);
     for (std::string_view p : pieces) std::printf(" [%s]", show(p).c_str());
     std::printf("\n");
+
+    std::printf("\n14.5 vocabulary: %u BPE tokens (ranks 0..%u) + %u specials = %u ids; [EOS] = %u\n", tok.bpe_size(),
+                tok.bpe_size() - 1, tok.vocab_size() - tok.bpe_size(), tok.vocab_size(), tok.special_id("[EOS]"));
 
     std::printf("\n14.6 merging each pre-token: the adjacent pair with the lowest rank first\n");
     std::vector<std::uint32_t> ids;
@@ -75,11 +83,5 @@ int main(int argc, char** argv) {
     std::printf("\n     encode() gives the same ids: %s; decode gives the text back: %s\n",
                 tok.encode(text) == ids ? "yes" : "NO", tok.decode(ids) == text ? "yes" : "NO");
 
-    std::printf("\n14.2 streaming the bytes of \"中\" (E4 B8 AD) one at a time\n");
-    Utf8Stream stream;
-    for (char b : std::string("中")) {
-        const std::string out = stream.push(std::string_view(&b, 1));
-        std::printf("      push %02x -> prints \"%s\" (holding %zu bytes)\n", unsigned(std::uint8_t(b)), out.c_str(), stream.held());
-    }
     return 0;
 }

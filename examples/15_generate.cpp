@@ -61,10 +61,9 @@ int main(int argc, char** argv) {
     for (float temperature : {0.0f, 0.7f, 1.5f}) {
         Chat chat(model.config, 128);
         chat.options.thinking = false;
-        SplitMix64 rng(2026);
-        const SamplingParams sp{.temperature = temperature, .top_k = 40, .top_p = 0.95f};
+        const SamplingParams sp{.temperature = temperature, .top_k = 40, .top_p = 0.95f, .seed = 2026};
         std::string text;
-        const auto reply = chat_turn(model, chat, tok, "Hello!", 12, sp, rng, [&](const std::string& t) { text += t; });
+        const auto reply = chat_turn(model, chat, tok, "Hello!", 12, sp, [&](const std::string& t) { text += t; });
         std::printf("  T = %.1f: %2zu tokens, ids", double(temperature), reply.size());
         for (std::int64_t id : reply) std::printf(" %lld", (long long)id);
         std::printf("\n           text \"%s\"\n", text.c_str());

@@ -4,6 +4,7 @@
 //   kimik3 inspect MODEL_DIR        config summary, layer schedule and census of a checkpoint
 //   kimik3 run MODEL_DIR --ids ...  the model at a memory budget, with a report
 //   kimik3 chat MODEL_DIR           a conversation that carries the model's state across turns
+//   kimik3 serve MODEL_DIR          the OpenAI chat API over HTTP, and a page that shows the model at work
 //   kimik3 tokenize, detokenize     text to ids and back
 //   kimik3 plan, pack-trunk, simulate-cache, synth
 //   kimik3 --help | help CMD
@@ -17,6 +18,7 @@
 #include "cli/pack_trunk.hpp"
 #include "cli/plan.hpp"
 #include "cli/run.hpp"
+#include "cli/serve.hpp"
 #include "cli/simulate_cache.hpp"
 #include "cli/synth.hpp"
 #include "cli/text.hpp"
@@ -39,6 +41,7 @@ const std::map<std::string, Command>& commands() {
         {"plan", {cmd_plan, kPlanUsage, "print the memory plan for a model (or a config) at a budget"}},
         {"pack-trunk", {cmd_pack_trunk, kPackTrunkUsage, "copy every layer's non-expert tensors into one aligned trunk.bin"}},
         {"chat", {cmd_chat, kChatUsage, "a multi-turn conversation that carries the model's state from turn to turn"}},
+        {"serve", {cmd_serve, kServeUsage, "an OpenAI-compatible HTTP server, with a page that shows each token's experts"}},
         {"tokenize", {cmd_tokenize, kTokenizeUsage, "print the token ids of a text"}},
         {"detokenize", {cmd_detokenize, kDetokenizeUsage, "print the text of token ids"}},
         {"synth", {cmd_synth, kSynthUsage, "write a K3-shaped checkpoint (real widths, fewer layers and experts) for benchmarks"}},

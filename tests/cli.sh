@@ -88,21 +88,50 @@ if [ $ok = 1 ] && [ $some = 1 ]; then pass=$((pass + 1)); else
 
 # the logits do not depend on the budget or the trunk file: floor, middle, all resident, packed trunk
 expect "pack-trunk" 0 "verified" "$bin" pack-trunk fixtures/tiny-k3 "$tmp/trunk"
-for b in floor middle all trunk; do
+for b in floor named middle all trunk; do
     case $b in
         floor) opts="--budget $floor" ;;
+        named) opts="--budget floor" ;;
         middle) opts="--budget $((floor + 2000000))" ;;
         all) opts="" ;;
         trunk) opts="--budget $floor --trunk $tmp/trunk" ;;
     esac
     expect "run: dump logits ($b)" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 6 --context 32 --quiet --dump-logits "$tmp/logits-$b.npy" $opts
 done
-for b in middle all trunk; do
+for b in named middle all trunk; do
     if cmp -s "$tmp/logits-floor.npy" "$tmp/logits-$b.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: logits at $b differ from the floor's"; fi
 done
 
+# ---- kimik3 run --speculate: the same output in fewer steps ---------------------------------------------
+expect "run --speculate 4: greedy 20 tokens = the reference's" 0 "^$greedy" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --quiet --speculate 4
+expect "run --speculate: the report counts drafts and what one-token steps would read" 0 "speculation \(--speculate 3\): drafted [0-9]+, accepted [0-9]+.*one-token steps would read" \
+    "$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --speculate 3 --budget $floor --context 32
+expect "run --speculate: the step table shows drafted and accepted" 0 "fed drafted accepted yielded" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 4 --speculate 2
+for n in 1 8; do
+    expect "run --speculate $n: dump logits" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --context 32 --quiet --budget $floor --speculate $n --dump-logits "$tmp/logits-spec$n.npy"
+done
+"$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --context 32 --quiet --budget $floor --dump-logits "$tmp/logits-nospec.npy" >/dev/null 2>&1
+for n in 1 8; do
+    if cmp -s "$tmp/logits-nospec.npy" "$tmp/logits-spec$n.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: run --speculate $n: logits differ from one token per step"; fi
+done
+a=$("$bin" run fixtures/tiny-k3 --ids $prompt --gen 16 --temperature 1 --top-k 50 --seed 9 --quiet 2>/dev/null)
+b=$("$bin" run fixtures/tiny-k3 --ids $prompt --gen 16 --temperature 1 --top-k 50 --seed 9 --quiet --speculate 5 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: sampled run --speculate 5 differs ('$a' vs '$b')"; fi
+expect "run --speculate 0 is a usage error" 2 "--speculate must be at least 1" "$bin" run fixtures/tiny-k3 --ids 1 --speculate 0
+expect "run --speculate 33 is a usage error" 2 "--speculate: 33 is more than 32" "$bin" run fixtures/tiny-k3 --ids 1 --speculate 33
+expect "run --speculate with --recompute is a usage error" 2 "--speculate and --recompute do not go together" "$bin" run fixtures/tiny-k3 --ids 1 --speculate 2 --recompute
+expect "run --speculate with --gen 0 is a usage error" 2 "--speculate needs tokens to generate" "$bin" run fixtures/tiny-k3 --ids 1 --gen 0 --speculate 2
+expect "run --help says when speculation pays" 0 "bound by reading the trunk" "$bin" run --help
+a=$(printf 'Hello! Hello!\nSay it again.\n' | "$bin" chat fixtures/tiny-k3 --max-new 12 2>/dev/null)
+b=$(printf 'Hello! Hello!\nSay it again.\n' | "$bin" chat fixtures/tiny-k3 --max-new 12 --speculate 4 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: chat --speculate 4 replies differ ('$a' vs '$b')"; fi
+expect "chat --speculate: each turn reports its steps" 0 "decode steps, [0-9]+ drafted, [0-9]+ accepted" sh -c "printf 'Hi\n' | '$bin' chat fixtures/tiny-k3 --max-new 6 --speculate 2"
+expect "chat --speculate 0 is a usage error" 2 "--speculate must be at least 1" "$bin" chat fixtures/tiny-k3 --speculate 0
+
 # ---- kimik3 plan --------------------------------------------------------------------------------------
 expect "plan: the real K3 at the laptop preset" 0 "pinned: .* lm_head" "$bin" plan --config fixtures/k3-release/config.json --preset laptop
+expect "plan: --budget floor is exactly the floor" 0 "plan for a budget of ([0-9.]+ GB) \(floor \1\)" "$bin" plan --config fixtures/k3-release/config.json --budget floor
+expect "run: --budget floor plans the tiny K3's floor" 0 "plan for a budget of ([0-9.]+ [kMG]?B) \(floor \1\)" "$bin" run fixtures/tiny-k3 --ids 1,2 --gen 1 --budget floor --quiet
 expect "plan: below the floor exits 3" 3 "below the floor of" "$bin" plan --config fixtures/k3-release/config.json --budget 500M
 expect "plan: needs a budget" 2 "one of --budget or --preset" "$bin" plan fixtures/tiny-k3
 

@@ -1,6 +1,6 @@
 // The synthetic K3-sized vocabulary (163,584 BPE tokens) for chapter 14's tests and benchmark.
 //
-// The real tiktoken.model is not available offline (spec section 4) and this one is 2.1 MB as text, so
+// The real tiktoken.model is not available offline (docs/kimi-k3.md section 4) and this one is 2.1 MB as text, so
 // it is not committed: it is rebuilt from the committed seed by the rule below, written twice -- here
 // and in tools/tiktoken_oracle.mjs, which computed the expected ids with tiktoken. The two agree if the
 // text's FNV-1a 64 hash equals "vocab_fnv1a64" in fixtures/tokenizer/large_expected.json (test 14.8).

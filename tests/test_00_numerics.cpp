@@ -182,4 +182,15 @@ TEST_CASE("0.8 parallel_rows visits every row exactly once, for any thread count
     });
     CHECK(owner.front() == 0);
     CHECK(owner.back() == 1);
+    // A part that throws on the calling thread: the exception comes out after the workers are done with
+    // the job, and the team runs the next job as before.
+    CHECK_THROWS_AS(parallel_rows(8, 1, [&](std::size_t b, std::size_t) {
+                        if (b == 0) fail(ErrorKind::runtime, "row 0 failed");
+                    }),
+                    Error);
+    std::vector<int> again(8, 0);
+    parallel_rows(again.size(), 1, [&](std::size_t b, std::size_t e) {
+        for (std::size_t r = b; r < e; ++r) again[r] = 1;
+    });
+    CHECK(std::count(again.begin(), again.end(), 1) == 8);
 }

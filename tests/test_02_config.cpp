@@ -49,7 +49,7 @@ void keep(const std::string& n, const Tensor& t, SafetensorsWriter& w) { w.add(n
 
 }  // namespace
 
-TEST_CASE("2.2 the tiny K3 config: every dimension of spec 3.10 and the schedule KKKMKKKMKKKMM") {
+TEST_CASE("2.2 the tiny K3 config: every dimension of docs/kimi-k3.md 3.10 and the schedule KKKMKKKMKKKMM") {
     const Config c = load_config(kTiny);
     CHECK(c.hidden_size == 128);
     CHECK(c.num_hidden_layers == 13);
@@ -75,7 +75,7 @@ TEST_CASE("2.2 the tiny K3 config: every dimension of spec 3.10 and the schedule
           "AttnRes   banks at layers 0 4 8 12 (block size 4)");
 }
 
-TEST_CASE("2.4 the release config: 69 KDA + 24 MLA, the last two layers both MLA, banks every 12 (trap 5.1.11)") {
+TEST_CASE("2.4 the release config: 69 KDA + 24 MLA, the last two layers both MLA, banks every 12 (trap 5.1.11 of docs/kimi-k3.md)") {
     const Config c = load_config(test::source_path("fixtures/k3-release/config.json"));
     CHECK(c.count(AttnKind::KDA) == 69);
     CHECK(c.count(AttnKind::MLA) == 24);
@@ -274,7 +274,7 @@ TEST_CASE("2.6 binding the tiny K3: every tensor found; experts located, contigu
             if (e > 0) out_of_order |= x.span_offset < m.experts[std::size_t(l)][std::size_t(e - 1)].span_offset;
         }
     }
-    CHECK(out_of_order);  // like the release (spec 2.2): id order is not disk order
+    CHECK(out_of_order);  // like the release (docs/kimi-k3.md 2.2): id order is not disk order
 }
 
 TEST_CASE("2.6 binding refuses a missing tensor, a wrong shape or dtype, a missing scale, and stray MXFP4") {
@@ -364,7 +364,7 @@ TEST_CASE("2.7 the tiny K3 census agrees with the shard files") {
     CHECK(s.per_token_bytes == s.trunk_bytes + 256 + s.lm_head_bytes + s.final_bytes + 12 * 4 * s.expert_bytes);
 }
 
-TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches spec 2 byte for byte") {
+TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches docs/kimi-k3.md section 2 byte for byte") {
     // Four layers of the release's real geometry (dense+KDA, MoE+KDA, MoE+KDA, MoE+MLA), all 896 experts
     // per MoE layer, in two shards whose data regions are holes: ~57 GB of apparent size, no disk used.
     json j = read_json(test::source_path("fixtures/k3-release/config.json"));
@@ -402,16 +402,16 @@ TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches spec
     Checkpoint ck(d.path);
     const ModelTensors m = bind_tensors(ck, c);
     const Census s = take_census(ck, c, m);
-    CHECK(m.expert_bytes == 17'547'264);  // spec 2.2: 3 x (5,505,024 + 344,064)
+    CHECK(m.expert_bytes == 17'547'264);  // docs/kimi-k3.md 2.2: 3 x (5,505,024 + 344,064)
     CHECK(m.experts[1][0].contiguous);
-    // Worked by hand from spec 2.2 (bf16 = 2 bytes, F32 = 4):
+    // Worked by hand from docs/kimi-k3.md 2.2 (bf16 = 2 bytes, F32 = 4):
     //   norms + AttnRes: 6 x 7168 x 2                                            =        86,016
     //   KDA: (4 x 12288x7168 + 7168x12288 + 128x7168 + 12288x128 + 96x7168) x 2    =   887,160,832
     //        + F32 (3 x 12288x4 + 128 + 12288 + 128) x 4                          =       640,000
     //   dense FFN (layer 0): 3 x 33792 x 7168 x 2                                 = 1,453,326,336
     //   MoE trunk: (896x7168 + 2 x 3584x7168 + 3584 + 3 x 6144x7168) x 2 + 896 x 4 =   379,857,408
     //   MLA: (1536x7168 + 1536 + 18432x1536 + 576x7168 + 512 + 24576x512 + 2 x 12288x7168) x 2 = 464,392,192
-    CHECK(s.layer_trunk_bytes[0] == 86'016ull + 887'160'832 + 640'000 + 1'453'326'336);  // 2.34 GB, prior art's largest
+    CHECK(s.layer_trunk_bytes[0] == 86'016ull + 887'160'832 + 640'000 + 1'453'326'336);  // 2.34 GB, the largest in docs/prior-art.md
     CHECK(s.layer_trunk_bytes[1] == 86'016ull + 887'160'832 + 640'000 + 379'857'408);
     CHECK(s.layer_trunk_bytes[2] == s.layer_trunk_bytes[1]);
     CHECK(s.layer_trunk_bytes[3] == 86'016ull + 464'392'192 + 379'857'408);
@@ -422,7 +422,7 @@ TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches spec
     std::uint64_t file_data = 0;
     for (const auto& sh : ck.shards()) file_data += sh->size() - sh->header().data_start;
     CHECK(s.bytes == file_data);
-    // The full 93-layer trunk extrapolated from these per-kind sizes is prior art's 108.81 GB.
+    // The full 93-layer trunk extrapolated from these per-kind sizes is the 108.81 GB of docs/prior-art.md.
     const double trunk93 = double(s.layer_trunk_bytes[0]) + 68.0 * double(s.layer_trunk_bytes[1]) + 24.0 * double(s.layer_trunk_bytes[3]);
     CHECK(trunk93 / 1e9 == doctest::Approx(108.81).epsilon(0.001));
 }

@@ -14,7 +14,7 @@ TEST_CASE("6.1 SiTU worked by hand: zero, both caps saturated, and the uncapped 
     // a = -1000: (4 * tanh(-250)) * sigmoid(-1000) = -4 * 0 = -0: the gate closes, as SiLU's does.
     CHECK(situ_gate(-1000.0f, s) == 0.0f);
     CHECK(situ_gate(0.0f, s) == 0.0f);
-    // The sigmoid takes the uncapped a (trap 5.1.5): at a = 8, sigmoid(8) = 0.99966 while a capped
+    // The sigmoid takes the uncapped a (trap 5.1.5 of docs/kimi-k3.md): at a = 8, sigmoid(8) = 0.99966 while a capped
     // argument, sigmoid(4 tanh(2)) = sigmoid(3.856), would be 0.9793.
     const float a = 8.0f;
     CHECK(situ_gate(a, s) == (4.0f * std::tanh(2.0f)) * sigmoid(8.0f));

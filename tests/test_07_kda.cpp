@@ -97,7 +97,7 @@ TEST_CASE("7.4 kda_recurrence_simd is bit-identical to kda_recurrence_ref over m
     set_threads(2);
 }
 
-TEST_CASE("7.3 A_log is read per head: per-channel indexing of the padded tensor would move g by a lot (trap 5.1.1)") {
+TEST_CASE("7.3 A_log is read per head: per-channel indexing of the padded tensor would move g by a lot (trap 5.1.1 of docs/kimi-k3.md)") {
     test::Tiny tiny;
     const KdaDims d = KdaDims::from(tiny.config);
     const KdaWeights w = tiny_kda(tiny, 1);
@@ -163,6 +163,40 @@ TEST_CASE("7.5 prefill then decode = one token at a time, bit for bit (outputs a
     CHECK_BITS_EQ(ya, yb);
     CHECK_BITS_EQ(a.S, b.S);
     CHECK_BITS_EQ(a.history, b.history);
+}
+
+TEST_CASE("7.5 kda_advance over kept inputs leaves the state kda_forward leaves, for every prefix, bit for bit") {
+    // (chapter 16 replays the tokens it keeps from a verify step this way)
+    test::Tiny tiny;
+    const KdaDims d = KdaDims::from(tiny.config);
+    const auto u = test::layer_reference().f32("layer.5.attn_norm_out");
+    const std::size_t T = 10, D = 128;
+    const KdaWeights w = tiny_kda(tiny, 5);
+    KdaState start(d);
+    std::vector<float> y(T * D), y_kept(T * D);
+    kda_forward(y.data(), u.data(), 3, w, d, start);  // a state with a history
+    KdaState a = start;
+    KdaInputs kept;
+    kda_forward(y.data(), u.data() + 3 * D, 7, w, d, a, nullptr, &kept);
+    KdaState same = start;
+    kda_forward(y_kept.data(), u.data() + 3 * D, 7, w, d, same);
+    CHECK_BITS_EQ(std::span<const float>(y.data(), 7 * D), std::span<const float>(y_kept.data(), 7 * D));  // keeping changes nothing
+    CHECK(kept.tokens == 7);
+    for (std::size_t n = 0; n <= 7; ++n) {
+        CAPTURE(n);
+        KdaState replayed = start, direct = start;
+        kda_advance(replayed, kept, n, w, d);
+        if (n) kda_forward(y.data(), u.data() + 3 * D, n, w, d, direct);
+        CHECK_BITS_EQ(replayed.S, direct.S);
+        CHECK_BITS_EQ(replayed.history, direct.history);
+    }
+    // it needs only the small tensors: no matrix is read
+    KdaWeights small{};
+    small.q_conv = w.q_conv, small.k_conv = w.k_conv, small.v_conv = w.v_conv, small.A_log = w.A_log, small.dt_bias = w.dt_bias;
+    KdaState b = start;
+    kda_advance(b, kept, 7, small, d);
+    CHECK_BITS_EQ(b.S, a.S);
+    CHECK_THROWS_WITH_AS(kda_advance(b, kept, 8, small, d), "kda_advance: 8 tokens asked for, the inputs hold 7", Error);
 }
 
 TEST_CASE("7.1 the carried state copies, resets, saves and loads; loading another shape is refused") {

@@ -103,13 +103,13 @@ TEST_CASE("8.1 MlaDims from the release config: K3's sizes, a 192^-1/2 scale, an
     CHECK(d.rope == 64);
     CHECK(d.v == 128);
     CHECK(d.cache_width() == 576);
-    CHECK(d.scale() == 1.0f / std::sqrt(192.0f));  // trap 5.1.2: the 64 shared dims count
+    CHECK(d.scale() == 1.0f / std::sqrt(192.0f));  // trap 5.1.2 of docs/kimi-k3.md: the 64 shared dims count
     CHECK(d.scale() != 1.0f / std::sqrt(128.0f));
-    CHECK(d.eps == 1e-6f);                          // trap 5.1.9: the class default, not rms_norm_eps
+    CHECK(d.eps == 1e-6f);                          // trap 5.1.9 of docs/kimi-k3.md: the class default, not rms_norm_eps
     CHECK(c.rms_norm_eps == 1e-5f);  // so the check above would catch MlaDims reading rms_norm_eps
 }
 
-TEST_CASE("8.1 trap 5.1.9: eps 1e-5 (rms_norm_eps) in the low-rank norms misses the reference by more than 3e-6, outside the 2e-6 tolerance") {
+TEST_CASE("8.1 trap 5.1.9 of docs/kimi-k3.md: eps 1e-5 (rms_norm_eps) in the low-rank norms misses the reference by more than 3e-6, outside the 2e-6 tolerance") {
     // Measured: the latents c move by 4.0e-6 .. 5.2e-6 relative and the output by 5.5e-6 .. 1.0e-5; with
     // the right eps (1e-6) they agree to 1.7e-7 and 4.7e-7 (the reference test of 8.5 below).
     test::Tiny tiny;
@@ -427,7 +427,7 @@ TEST_CASE("8.5 every matrix streamed in row chunks (any size, across head bounda
 }
 
 // The measured agreement is 0.8e-7 .. 5.7e-7 relative (both forms, every intermediate, every layer): the
-// tolerance keeps a 4x margin and still catches trap 5.1.9 (test 8.1 above).
+// tolerance keeps a 4x margin and still catches trap 5.1.9 of docs/kimi-k3.md (test 8.1 above).
 TEST_CASE("8.5 every MLA layer of the tiny K3 agrees with the PyTorch float64 reference within 2e-6 relative (prefill 7, decode 3)") {
     test::Tiny tiny;
     auto& ref = test::layer_reference();

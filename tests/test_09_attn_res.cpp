@@ -94,7 +94,7 @@ TEST_CASE("9.2 every AttnRes mix of the tiny K3 agrees with the float64 referenc
             r.add(row(ref.f32(p + "mlp_out"), t, D).data());
         }
         attn_res_fold(wf.data(), AttnResWeights{tiny.f32v(tiny.tensors.out_res_norm), tiny.f32v(tiny.tensors.out_res_proj)}, D);
-        CHECK(r.candidates().size() == 5);  // B_0..B_3 + the partial of layer 12 (spec 3.10)
+        CHECK(r.candidates().size() == 5);  // B_0..B_3 + the partial of layer 12 (docs/kimi-k3.md 3.10)
         r.mix(x.data(), wf.data(), eps, pi.data());
         CHECK_REL_WITHIN(x, row(ref.f32("final.mix_out"), t, D), 1e-5);
         CHECK_REL_WITHIN(std::vector<float>(pi.begin(), pi.begin() + 5), row(ref.f32("final.mix_weights"), t, 5), 1e-5);

@@ -70,7 +70,7 @@ TEST_CASE("10.3 every MoE layer of the tiny K3 agrees with the reference: same t
         const auto want_ids = ref.i64(p + "moe.topk_ids");
         for (std::size_t i = 0; i < want_ids.size(); ++i) REQUIRE(rec.routing.ids[i] == want_ids[i]);
         const auto unbiased = ref.i64(p + "moe.topk_ids_unbiased");
-        for (std::size_t t = 0; t < T; ++t) {  // how often the bias changed the chosen SET (trap 5.1.3)
+        for (std::size_t t = 0; t < T; ++t) {  // how often the bias changed the chosen SET (trap 5.1.3 of docs/kimi-k3.md)
             std::vector<std::int64_t> a(want_ids.begin() + long(t * 4), want_ids.begin() + long(t * 4 + 4)),
                 b(unbiased.begin() + long(t * 4), unbiased.begin() + long(t * 4 + 4));
             std::sort(a.begin(), a.end());

@@ -96,6 +96,14 @@ TEST_CASE("13.4 the exactness gates on the tiny K3: teacher forcing 32/32, greed
     if (got == "teacher forcing 32/32, greedy 20/20, incremental 20/20") std::printf("ENGINE MATCHES THE REFERENCE EXACTLY\n");
 }
 
+// The little K3 (trained on English, tools/train_little_k3.py): the same gates on a model whose logits are
+// peaked and whose router has learned preferences, which random weights never show.
+TEST_CASE("13.4 the exactness gates on the little K3: teacher forcing 32/32, greedy 20/20, incremental 20/20") {
+    const std::string got = exactness_gates("fixtures/little-k3", 2e-5);
+    std::printf("little K3: %s\n", got.c_str());
+    CHECK(got == "teacher forcing 32/32, greedy 20/20, incremental 20/20");
+}
+
 // What Moonshot's code runs beyond the release's options and shapes (tools/make_variant_k3.py): top-1
 // routing, no renormalising, no latent norm, KDA heads > head_dim with A_log [num_heads] or padded with
 // non-zero entries, widths off the 16 lanes, F32/F16/BF16 wherever the release has another dtype.
@@ -159,7 +167,8 @@ TEST_CASE("13.3 the invariance gates: the same logits bits at every budget, trun
     invariance_gates("fixtures/tiny-k3");
 }
 
-TEST_CASE("13.3 the invariance gates on the odd-width and mixed-dtype variants (tails, F32/F16 rows streamed)") {
+TEST_CASE("13.3 the invariance gates on the little K3, the odd-width and mixed-dtype variants (tails, F32/F16 rows streamed)") {
+    invariance_gates("fixtures/little-k3");
     invariance_gates("fixtures/variants/odd-widths");
     invariance_gates("fixtures/variants/dtypes");
 }
@@ -168,8 +177,8 @@ TEST_CASE("13.3 scalar and SIMD builds give the same logits: a pinned hash both 
     // A regression pin made by this engine (not evidence of correctness: that is the reference test
     // above). make test and make test-scalar build this file with and without SIMD and both compare to
     // the same value, so a difference between the reference and SIMD paths anywhere in the model fails:
-    // on the tiny K3, and on the variants whose every width has a tail or whose matrices are F32/F16.
-    for (const std::string rel : {"fixtures/tiny-k3", "fixtures/variants/odd-widths", "fixtures/variants/dtypes"}) {
+    // on the tiny and little K3, and on the variants whose every width has a tail or whose matrices are F32/F16.
+    for (const std::string rel : {"fixtures/tiny-k3", "fixtures/little-k3", "fixtures/variants/odd-widths", "fixtures/variants/dtypes"}) {
         const std::vector<float> tf = tf_logits(ModelOptions{}, 32, rel);
         char got[32];
         std::snprintf(got, sizeof got, "%016llx", (unsigned long long)logits_hash(tf));
@@ -179,4 +188,54 @@ TEST_CASE("13.3 scalar and SIMD builds give the same logits: a pinned hash both 
         INFO("computed " << got << "; if the numerics changed on purpose, write it to " << rel << "/engine_tf_logits.hash");
         CHECK(want == got);
     }
+}
+
+TEST_CASE("13.3 a step record changes no bit, and a prompt step records what its tokens record one at a time") {
+    Model m(kTiny, ModelOptions{});
+    const Config& c = m.config;
+    const std::size_t V = std::size_t(c.vocab_size), L = std::size_t(c.num_hidden_layers), K = std::size_t(c.num_experts_per_token);
+    const std::vector<std::int64_t>& ids = ref().prompt;
+    const std::size_t T = ids.size();
+    Session plain(c, 64), recorded(c, 64), single(c, 64);
+    std::vector<float> a(T * V), b(T * V), one(V);
+    forward(a.data(), m, plain, ids.data(), T, true);
+    StepRecord r;
+    forward(b.data(), m, recorded, ids.data(), T, true, &r);
+    CHECK_BITS_EQ(a, b);  // recording is observation only
+    REQUIRE(r.tokens == T);
+    REQUIRE(r.layers.size() == L);
+    const std::size_t bs = std::size_t(c.attn_res_block_size);
+    for (std::size_t t = 0; t < T; ++t) {
+        StepRecord s;
+        forward(one.data(), m, single, &ids[t], 1, false, &s);
+        CHECK(std::equal(one.begin(), one.end(), b.begin() + long(t * V)));
+        for (std::size_t l = 0; l < L; ++l) {
+            const StepRecord::Layer &pl = r.layers[l], &sl = s.layers[l];
+            CAPTURE(l);
+            // the closed form of chapter 09: layer l > 0 mixes floor((l-1)/bs) + 1 banks and the partial
+            CHECK(pl.attn_candidates == (l == 0 ? 0 : (l - 1) / bs + 2));
+            CHECK(pl.mlp_candidates == l / bs + 2);
+            CHECK(sl.attn_candidates == pl.attn_candidates);
+            for (std::size_t i = 0; i < pl.attn_candidates; ++i) CHECK(pl.attn_mix[t * pl.attn_candidates + i] == sl.attn_mix[i]);
+            float sum = 0;
+            for (std::size_t i = 0; i < pl.mlp_candidates; ++i) {
+                sum += pl.mlp_mix[t * pl.mlp_candidates + i];
+                CHECK(pl.mlp_mix[t * pl.mlp_candidates + i] == sl.mlp_mix[i]);
+            }
+            CHECK(std::fabs(sum - 1.0f) < 1e-5f);
+            const bool moe = c.layers[l].ffn == FfnKind::MoE;
+            CHECK(pl.routing.ids.size() == (moe ? T * K : 0));
+            if (!moe) continue;
+            float wsum = 0;
+            for (std::size_t k = 0; k < K; ++k) {
+                CHECK(pl.routing.ids[t * K + k] == sl.routing.ids[k]);
+                CHECK(pl.routing.weights[t * K + k] == sl.routing.weights[k]);
+                wsum += sl.routing.weights[k];
+            }
+            CHECK(std::fabs(wsum - c.routed_scaling_factor) < 1e-4f * c.routed_scaling_factor);
+        }
+        CHECK(s.out_candidates == r.out_candidates);
+        for (std::size_t i = 0; i < r.out_candidates; ++i) CHECK(r.out_mix[t * r.out_candidates + i] == s.out_mix[i]);
+    }
+    CHECK(r.out_candidates == (L - 1) / bs + 2);
 }

@@ -189,7 +189,7 @@ TEST_CASE("14.4 the tiny K3 vocabulary: sizes, specials as tokenizer_config.json
     CHECK(t.token_bytes(483) == "<|open|>");
     expect_error([&] { t.special_id("<|im_end|>"); }, {"no special token named '<|im_end|>'"});
     expect_error([&] { t.token_bytes(512); }, {"id 512 is outside the vocabulary (512 ids)"});
-    const Tokenizer& k3 = large();  // the K3 special ids of spec section 4 on a K3-sized vocabulary
+    const Tokenizer& k3 = large();  // the K3 special ids of docs/kimi-k3.md section 4 on a K3-sized vocabulary
     CHECK(k3.vocab_size() == 163840);
     CHECK(k3.special_id("[BOS]") == 163584);
     CHECK(k3.special_id("<|end_of_msg|>") == 163586);

@@ -1,5 +1,5 @@
 // Tests for chapter 15 (first half): XTML chat rendering and sampling. The expected chats are written
-// out by hand, segment by segment, from the layout of spec section 4; the text segments' ids come from
+// out by hand, segment by segment, from the layout of docs/kimi-k3.md section 4; the text segments' ids come from
 // chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
@@ -198,6 +198,20 @@ TEST_CASE("15.4 splitmix64: the published first outputs for seed 0; draws are mu
     }
 }
 
+TEST_CASE("15.4 the stream is a counter: output n computed directly equals the n-th draw, for any seed") {
+    // seed 0: outputs 0, 1, 2 are the published values above
+    CHECK(SplitMix64::at(0, 0) == 0xE220A8397B1DCDAFull);
+    CHECK(SplitMix64::at(0, 2) == 0x06C45D188009454Full);
+    for (std::uint64_t seed : {0ull, 1ull, 2026ull, 0xFFFFFFFFFFFFFFFFull}) {  // the last wraps the state at once
+        SplitMix64 g(seed);
+        for (std::uint64_t n = 0; n < 1000; ++n) {
+            const std::uint64_t x = g.next();
+            REQUIRE(SplitMix64::at(seed, n) == x);
+            REQUIRE(SplitMix64::uniform_at(seed, n) == float(x >> 40) * 0x1p-24f);
+        }
+    }
+}
+
 TEST_CASE("15.5 sampling worked by hand: sort with ties to the lower id, top-k, top-p, the draw") {
     // logits (V = 6): id 0: 0.5, ids 1 2 4 5: 2.0, id 3: -1. T = 1, top_k = 4, top_p = 0.5.
     //   sorted by z, ties lower id first:  1, 2, 4, 5, 0, 3      top-k keeps 1, 2, 4, 5
@@ -233,21 +247,23 @@ TEST_CASE("15.5 temperature agrees with hand arithmetic within 1e-6 (exp is not 
     CHECK_THROWS_AS(greedy(nan_logits), Error);
 }
 
-TEST_CASE("15.5 sampling is reproducible: same seed, same ids; greedy draws nothing") {
+TEST_CASE("15.5 sampling is reproducible: the same (seed, position), the same id, in any order; greedy uses no draw") {
     test::Rng rng(15);
     const std::vector<float> logits = rng.floats(512, -4.0f, 4.0f);
-    const SamplingParams sp{.temperature = 0.8f, .top_k = 40, .top_p = 0.9f};
-    auto run = [&](int) {  // (sampling is single-threaded; the model's thread invariance is test 13.3)
-        SplitMix64 g(2026);
-        std::vector<std::uint32_t> ids;
-        for (int i = 0; i < 200; ++i) ids.push_back(sample(logits, sp, g));
-        return ids;
-    };
-    const std::vector<std::uint32_t> a = run(1), b = run(2);
+    const SamplingParams sp{.temperature = 0.8f, .top_k = 40, .top_p = 0.9f, .seed = 2026};
+    std::vector<std::uint32_t> a, b(200);
+    for (std::uint64_t p = 0; p < 200; ++p) a.push_back(sample(logits, sp, p));
+    for (std::uint64_t p = 200; p-- > 0;) b[p] = sample(logits, sp, p);  // backwards: each draw stands alone
     CHECK(a == b);
-    SplitMix64 g1(1), g2(1);
-    CHECK(sample(logits, {.temperature = 0.0f}, g1) == greedy(logits));
-    CHECK(g1.next() == g2.next());  // the greedy call consumed no draw
+    // position p uses output p of the seed's stream: drawing the stream in order gives the same ids
+    SplitMix64 g(2026);
+    for (std::uint64_t p = 0; p < 200; ++p) REQUIRE(a[p] == sample_from(sampling_candidates(logits, sp), g.uniform()));
+    CHECK(sample(logits, {.temperature = 0.0f}, 17) == greedy(logits));
+    SamplingParams other = sp;
+    other.seed = 2027;
+    std::size_t same = 0;
+    for (std::uint64_t p = 0; p < 200; ++p) same += sample(logits, other, p) == a[p];
+    CHECK(same < 100);  // another seed, other draws (a few ids coincide: 40 candidates)
     // Regression pin (made by this code, not evidence of correctness): the first ids for seed 2026.
     const std::vector<std::uint32_t> first(a.begin(), a.begin() + 8);
     INFO("first ids: " << first[0] << " " << first[1] << " " << first[2] << " " << first[3]);
@@ -262,17 +278,15 @@ struct TinyChat {
     Model model{test::source_path("fixtures/tiny-k3"), o};
 };
 
-std::vector<std::int64_t> turn(Model& m, Chat& c, const std::string& text, std::vector<float>* logits = nullptr) {
+std::vector<std::int64_t> turn(Model& m, Chat& c, const std::string& text, std::vector<float>* logits = nullptr,
+                               SamplingParams sp = {.temperature = 0}) {
     ChatWriter w(tiny());
     render_message(w, ChatMessage{"user", text}, c.options);
     w.open("message" + xtml_attribute("role", "assistant")), w.open(c.options.thinking ? "think" : "response");
     std::vector<std::int64_t> fresh = c.pending;
     fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
-    SplitMix64 rng(7);
-    SamplingParams greedy_params;
-    greedy_params.temperature = 0;
     const StopTokens stops = stop_tokens(tiny());
-    const auto reply = continue_session(m, c.session, fresh, 6, greedy_params, rng, 32, [&](std::int64_t id) { return !stops.contains(std::uint32_t(id)); }, logits);
+    const auto reply = continue_session(m, c.session, fresh, 6, sp, 32, [&](std::int64_t id) { return !stops.contains(std::uint32_t(id)); }, logits);
     c.pending.assign(reply.end() - 1, reply.end());
     return reply;
 }
@@ -335,6 +349,29 @@ TEST_CASE("15.8 a session saved after two turns and loaded into a fresh model co
     }
     CHECK(a_ids == b_ids);
     CHECK_BITS_EQ(a_logits, b_logits);
+}
+
+TEST_CASE("15.8 a sampled conversation resumed from a file draws what the process that saved it draws") {
+    // Each token is drawn at its position in the conversation (contract 3), so the resumed process, which
+    // has drawn nothing yet, continues exactly as the first one does.
+    TempFile f;
+    const SamplingParams sp{.temperature = 1.0f, .top_k = 50, .seed = 99};
+    std::vector<std::int64_t> a_ids, b_ids;
+    {
+        TinyChat t;
+        Chat c(t.model.config, 256);
+        turn(t.model, c, "First question.", nullptr, sp);
+        save_chat(f.path, t.model, c);
+        a_ids = turn(t.model, c, "Second.", nullptr, sp);
+    }
+    {
+        TinyChat t;
+        Chat c(t.model.config, 256);
+        load_chat(f.path, t.model, c);
+        b_ids = turn(t.model, c, "Second.", nullptr, sp);
+    }
+    CHECK(a_ids == b_ids);
+    CHECK(!a_ids.empty());
 }
 
 TEST_CASE("15.8 session files for another model, another version, or truncated are refused") {

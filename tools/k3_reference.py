@@ -1,25 +1,25 @@
 """k3_reference.py - the Kimi K3 text forward pass in PyTorch, written from docs/kimi-k3.md.
 
 This is the oracle the C++ engine is checked against. It is written for reading: one function per
-spec section, plain tensor code, the equation in a comment at the top of each function.
+section of docs/kimi-k3.md, plain tensor code, the equation in a comment at the top of each function.
 
 Contract
 --------
 * It computes in ONE dtype chosen by the caller (torch.float64 or torch.float32). Every weight is
   decoded exactly into that dtype (BF16 -> float is exact, F32 is used as is, MXFP4 is dequantized
-  exactly, spec 3.8) and every activation stays in it: there is no bf16 rounding anywhere, unlike
-  Moonshot's HF code (which rounds to bf16 at the points listed in spec 3.8).
-* Where the spec gives two equivalent formulations, this file uses the one the C++ engine does NOT
+  exactly, docs/kimi-k3.md 3.8) and every activation stays in it: there is no bf16 rounding anywhere, unlike
+  Moonshot's HF code (which rounds to bf16 at the points listed in docs/kimi-k3.md 3.8).
+* Where docs/kimi-k3.md gives two equivalent formulations, this file uses the one the C++ engine does NOT
   use, so the two implementations are independent:
-    - Block AttnRes: Moonshot's PROCEDURAL form of spec 3.2 (bank list + partial sum); the engine
+    - Block AttnRes: Moonshot's PROCEDURAL form of docs/kimi-k3.md 3.2 (bank list + partial sum); the engine
       uses the closed form.
-    - KDA: the token-by-token recurrence of spec 3.4.5 with an explicit state, and the short
+    - KDA: the token-by-token recurrence of docs/kimi-k3.md 3.4.5 with an explicit state, and the short
       convolution as a plain causal window over the whole sequence (no rolling conv state).
-    - MLA: the NAIVE form of spec 3.5.3 (K and V expanded per head through kv_b_proj, full causal
+    - MLA: the NAIVE form of docs/kimi-k3.md 3.5.3 (K and V expanded per head through kv_b_proj, full causal
       softmax); the engine uses the absorbed form of 3.5.4.
 * Conventions shared with the engine (each is cited where it is used):
     RMSNorm y = gamma * (x * (1 / sqrt(mean(x^2) + eps))), eps = rms_norm_eps, except the MLA
-    q_a/kv_a norms (1e-6, trap 5.1.9); KDA L2 norm x / sqrt(sum(x^2) + 1e-6) (sum, not mean); router
+    q_a/kv_a norms (1e-6, trap 5.1.9 of docs/kimi-k3.md); KDA L2 norm x / sqrt(sum(x^2) + 1e-6) (sum, not mean); router
     top-k ties go to the lower expert id; the MoE combine sums experts in slot order.
 * It recomputes the whole sequence on every call (no KV cache): greedy decoding re-runs the prefix.
   Causality makes that equal to incremental decoding, and it keeps the code short.
@@ -48,7 +48,7 @@ import mxfp4  # noqa: E402  (tools/ is not a package; these two modules sit besi
 import st  # noqa: E402
 
 # ================================================================================================
-# 1. Configuration (spec section 1)
+# 1. Configuration (docs/kimi-k3.md section 1)
 # ================================================================================================
 
 
@@ -81,7 +81,7 @@ def _require_equal(section, name, expected, where, default=None):
 
 
 class TextConfig:
-    """The text_config fields the forward pass reads (spec 1.2), validated, plus derived values.
+    """The text_config fields the forward pass reads (docs/kimi-k3.md 1.2), validated, plus derived values.
 
     Accepts the release's nested config.json (top level model_type "kimi_k3" with a `text_config`)
     or a flat text config. Anything the math below does not implement is refused (ConfigError).
@@ -101,12 +101,12 @@ class TextConfig:
         self.raw = raw
         pos_int = (int,)
 
-        # --- sizes (spec 0 and 1.2) ---
+        # --- sizes (docs/kimi-k3.md sections 0 and 1.2) ---
         self.hidden_size = _require(text, "hidden_size", pos_int, where)                      # D
         self.num_hidden_layers = _require(text, "num_hidden_layers", pos_int, where)          # L
         self.vocab_size = _require(text, "vocab_size", pos_int, where)                        # V
         self.rms_norm_eps = float(_require(text, "rms_norm_eps", (int, float), where))
-        # --- MLA (spec 3.5) ---
+        # --- MLA (docs/kimi-k3.md 3.5) ---
         self.num_attention_heads = _require(text, "num_attention_heads", pos_int, where)      # H (MLA)
         if text.get("num_key_value_heads", self.num_attention_heads) != self.num_attention_heads:
             raise ConfigError(f"{where}: num_key_value_heads != num_attention_heads (GQA) is not supported")
@@ -115,9 +115,9 @@ class TextConfig:
         self.qk_nope_head_dim = _require(text, "qk_nope_head_dim", pos_int, where)
         self.qk_rope_head_dim = _require(text, "qk_rope_head_dim", pos_int, where)
         self.v_head_dim = _require(text, "v_head_dim", pos_int, where)
-        _require_equal(text, "mla_use_nope", True, where)          # no rotary embedding at all (trap 5.1.2)
+        _require_equal(text, "mla_use_nope", True, where)          # no rotary embedding at all (trap 5.1.2 of docs/kimi-k3.md)
         _require_equal(text, "mla_use_output_gate", True, where)   # the sigmoid g_proj gate of 3.5.5
-        # --- KDA (spec 3.4) ---
+        # --- KDA (docs/kimi-k3.md 3.4) ---
         linear = _require(text, "linear_attn_config", (dict,), where)
         lwhere = where + " linear_attn_config"
         self.kda_num_heads = _require(linear, "num_heads", pos_int, lwhere)                   # H_k
@@ -129,15 +129,15 @@ class TextConfig:
             raise ConfigError(f"{lwhere}: gate_lower_bound must be in [-5, 0) (the decay is lower_bound * sigmoid(...))")
         kda_layers = _require(linear, "kda_layers", (list,), lwhere)
         full_layers = _require(linear, "full_attn_layers", (list,), lwhere)
-        # The config's lists are 1-based (trap 5.1.11): layer l is KDA when (l+1) is in kda_layers.
+        # The config's lists are 1-based (trap 5.1.11 of docs/kimi-k3.md): layer l is KDA when (l+1) is in kda_layers.
         if sorted(kda_layers + full_layers) != list(range(1, self.num_hidden_layers + 1)):
             raise ConfigError(f"{lwhere}: kda_layers and full_attn_layers must partition 1..num_hidden_layers (1-based)")
         self.layer_kinds = ["kda" if (l + 1) in kda_layers else "mla" for l in range(self.num_hidden_layers)]
-        # --- FFN (spec 0.2 and 3.6) ---
+        # --- FFN (docs/kimi-k3.md 0.2 and 3.6) ---
         _require_equal(text, "hidden_act", "situ", where)
         beta1 = text.get("activation_situ_beta")
         beta2 = text.get("activation_situ_linear_beta")
-        self.situ_beta = 1.0 if beta1 is None else float(beta1)                   # null -> 1.0 (spec 0.2)
+        self.situ_beta = 1.0 if beta1 is None else float(beta1)                   # null -> 1.0 (docs/kimi-k3.md 0.2)
         self.situ_linear_beta = None if beta2 is None else float(beta2)           # null -> identity
         self.intermediate_size = _require(text, "intermediate_size", pos_int, where)
         self.first_k_dense_replace = _require(text, "first_k_dense_replace", pos_int, where, minimum=0)
@@ -155,12 +155,12 @@ class TextConfig:
         _require_equal(text, "moe_router_activation_func", "sigmoid", where)
         self.moe_renormalize = _require(text, "moe_renormalize", (bool,), where)
         self.routed_scaling_factor = float(_require(text, "routed_scaling_factor", (int, float), where))
-        # Group-limited selection is only active when num_expert_group > 1 (spec 1.2): refuse it.
+        # Group-limited selection is only active when num_expert_group > 1 (docs/kimi-k3.md 1.2): refuse it.
         if text.get("num_expert_group", 1) not in (1, None):
             raise ConfigError(f"{where}: num_expert_group > 1 (group-limited routing) is not supported")
         if text.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ConfigError(f"{where}: topk_method {text.get('topk_method')!r} is not supported")
-        # --- AttnRes (spec 3.2) ---
+        # --- AttnRes (docs/kimi-k3.md 3.2) ---
         self.attn_res_block_size = _require(text, "attn_res_block_size", pos_int, where)      # S
         # --- head ---
         if raw.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False):
@@ -176,7 +176,7 @@ class TextConfig:
                 raise ConfigError(f"{where}: {name} must be a multiple of {mxfp4.BLOCK} (MXFP4 blocks)")
 
     def is_moe(self, layer):
-        """spec 1.2: MoE when l >= first_k_dense_replace and l % moe_layer_freq == 0."""
+        """docs/kimi-k3.md 1.2: MoE when l >= first_k_dense_replace and l % moe_layer_freq == 0."""
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
@@ -185,7 +185,7 @@ class TextConfig:
 
 
 def _check_quantization(qc):
-    """spec 2.4: only compressed-tensors mxfp4-pack-quantized (4-bit float, group 32) is supported."""
+    """docs/kimi-k3.md 2.4: only compressed-tensors mxfp4-pack-quantized (4-bit float, group 32) is supported."""
     where = "quantization_config"
     _require_equal(qc, "quant_method", "compressed-tensors", where)
     _require_equal(qc, "format", "mxfp4-pack-quantized", where)
@@ -199,7 +199,7 @@ def _check_quantization(qc):
 
 
 # ================================================================================================
-# 2. Checkpoint (spec section 2): release layout, `language_model.` prefix, shards + index
+# 2. Checkpoint (docs/kimi-k3.md section 2): release layout, `language_model.` prefix, shards + index
 # ================================================================================================
 
 
@@ -244,17 +244,17 @@ class Checkpoint:
 
 
 # ================================================================================================
-# 3. Building blocks (spec 0.1, 0.2, 3.2)
+# 3. Building blocks (docs/kimi-k3.md 0.1, 0.2, 3.2)
 # ================================================================================================
 
 
 def rms_normalize(x, eps):
-    """n(x) = x * (1 / sqrt(mean_j x_j^2 + eps)) over the last axis (spec 0.1)."""
+    """n(x) = x * (1 / sqrt(mean_j x_j^2 + eps)) over the last axis (docs/kimi-k3.md 0.1)."""
     return x * (1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
 
 
 def rmsnorm(x, gamma, eps):
-    """RMSNorm_{gamma,eps}(x) = gamma * n(x) (spec 0.1)."""
+    """RMSNorm_{gamma,eps}(x) = gamma * n(x) (docs/kimi-k3.md 0.1)."""
     return gamma * rms_normalize(x, eps)
 
 
@@ -266,7 +266,7 @@ def softmax(scores, dim=-1):
 
 
 def situ_glu(x, w_gate, w_up, w_down, beta1, beta2, dump=None, prefix=""):
-    """SiTU-GLU, spec 0.2 (trap 5.1.5):
+    """SiTU-GLU, docs/kimi-k3.md 0.2 (trap 5.1.5):
         a = x W_g^T,  b = x W_u^T
         h = [beta1 * tanh(a / beta1) * sigmoid(a)] * [beta2 * tanh(b / beta2)]
         y = h W_d^T
@@ -285,7 +285,7 @@ def situ_glu(x, w_gate, w_up, w_down, beta1, beta2, dump=None, prefix=""):
 
 
 def attn_res_mix(candidates, norm_weight, proj_weight, eps):
-    """Block AttnRes mix over depth, spec 3.2, for every token at once.
+    """Block AttnRes mix over depth, docs/kimi-k3.md 3.2, for every token at once.
 
         w     = res_norm.weight * res_proj.weight[0]                 (gamma folded into the 1xD proj)
         s_i   = sum_j n(v_i)[j] * w[j]                                (keys: RMS-normalised candidates)
@@ -336,7 +336,7 @@ class K3Reference:
         return self._cache[key]
 
     def expert_w(self, name, out_dim, in_dim):
-        """A routed-expert weight: MXFP4 (`.weight_packed` + `.weight_scale`, spec 2.4) dequantized
+        """A routed-expert weight: MXFP4 (`.weight_packed` + `.weight_scale`, docs/kimi-k3.md 2.4) dequantized
         exactly, or a plain `.weight` if the checkpoint is not quantized."""
         key = (name, "expert")
         if key not in self._cache:
@@ -362,7 +362,7 @@ class K3Reference:
     # --- 3.4 KDA ------------------------------------------------------------------------------
 
     def kda(self, layer, u, dump, state_points):
-        """Kimi Delta Attention over a whole sequence u [T, D] -> [T, D] (spec 3.4)."""
+        """Kimi Delta Attention over a whole sequence u [T, D] -> [T, D] (docs/kimi-k3.md 3.4)."""
         c = self.config
         p = f"model.layers.{layer}.self_attn."
         d = f"layer.{layer}.kda."
@@ -388,7 +388,7 @@ class K3Reference:
 
         # 3.4.3 decay gate, lower-bounded form:
         #   z = f_b(f_a(u)) + dt_bias;  g[h, i] = lower_bound * sigmoid(exp(A_log[h]) * z[h, i])
-        # A_log is stored zero-padded to head_dim entries (trap 5.1.1): use entries 0..H-1, per HEAD.
+        # A_log is stored zero-padded to head_dim entries (trap 5.1.1 of docs/kimi-k3.md): use entries 0..H-1, per HEAD.
         f = (u @ self.w(p + "f_a_proj.weight", (Dh, D)).T) @ self.w(p + "f_b_proj.weight", (P, Dh)).T
         z = (f + self.w(p + "dt_bias", (P,))).reshape(T, H, Dh)                      # head-major
         a_log = self.a_log(p + "A_log", H)                                           # [H]
@@ -431,7 +431,7 @@ class K3Reference:
     # --- 3.5 Gated MLA (NoPE), naive form -----------------------------------------------------
 
     def mla(self, layer, u, dump):
-        """Gated MLA over a whole sequence u [T, D] -> [T, D] (spec 3.5), the naive form of 3.5.3."""
+        """Gated MLA over a whole sequence u [T, D] -> [T, D] (docs/kimi-k3.md 3.5), the naive form of 3.5.3."""
         c = self.config
         p = f"model.layers.{layer}.self_attn."
         d = f"layer.{layer}.mla."
@@ -470,7 +470,7 @@ class K3Reference:
     # --- 3.6 FFN ------------------------------------------------------------------------------
 
     def dense_ffn(self, layer, u, dump):
-        """Dense SiTU-GLU (layer 0 in K3), spec 3.6 / 0.2."""
+        """Dense SiTU-GLU (layer 0 in K3), docs/kimi-k3.md 3.6 / 0.2."""
         c = self.config
         p = f"model.layers.{layer}.mlp."
         D, F = c.hidden_size, c.intermediate_size
@@ -480,12 +480,12 @@ class K3Reference:
 
     @staticmethod
     def topk_lower_id_first(values, k):
-        """Top-k indices per row, by value descending, ties broken toward the LOWER id (spec 3.6 step 2).
+        """Top-k indices per row, by value descending, ties broken toward the LOWER id (docs/kimi-k3.md 3.6 step 2).
         A stable descending sort keeps equal values in id order."""
         return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
 
     def moe(self, layer, x, dump):
-        """Latent MoE + shared experts, spec 3.6 steps 1..9, for every token of x [T, D]."""
+        """Latent MoE + shared experts, docs/kimi-k3.md 3.6 steps 1..9, for every token of x [T, D]."""
         c = self.config
         p = f"model.layers.{layer}.block_sparse_moe."
         d = f"layer.{layer}.moe."
@@ -495,7 +495,7 @@ class K3Reference:
         # 1. router: logits = x W_r^T, scores = sigmoid(logits)
         logits = x @ self.w(p + "gate.weight", (E, D)).T                           # [T, E]
         scores = torch.sigmoid(logits)
-        # 2. selection on the BIASED scores (the bias affects selection only, trap 5.1.3)
+        # 2. selection on the BIASED scores (the bias affects selection only, trap 5.1.3 of docs/kimi-k3.md)
         bias = self.w(p + "gate.e_score_correction_bias", (E,))
         topk_ids = self.topk_lower_id_first(scores + bias, K)                      # [T, K] slot order
         # 3. weights from the UNBIASED scores of the selected set, renormalised (Moonshot's gate: only when
@@ -524,7 +524,7 @@ class K3Reference:
         y_lat = topk_weights[:, 0:1] * expert_out[:, 0]
         for slot in range(1, K):
             y_lat = y_lat + topk_weights[:, slot:slot + 1] * expert_out[:, slot]
-        # 7. latent RMSNorm (after the weighted sum, trap 5.1.4), then the up-projection
+        # 7. latent RMSNorm (after the weighted sum, trap 5.1.4 of docs/kimi-k3.md), then the up-projection
         y_norm = rmsnorm(y_lat, self.w(p + "routed_expert_norm.weight", (Lt,)), c.rms_norm_eps) \
             if c.latent_moe_use_norm else y_lat
         y_routed = y_norm @ self.w(p + "routed_expert_up_proj.weight", (D, Lt)).T

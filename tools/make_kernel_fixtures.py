@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mxfp4  # noqa: E402
 import st  # noqa: E402
 
-EPS = 1e-5      # rms_norm_eps (spec 1.2)
-L2_EPS = 1e-6   # the KDA L2 norm's epsilon, inside the square root of the SUM (spec 3.4.4)
+EPS = 1e-5      # rms_norm_eps (docs/kimi-k3.md 1.2)
+L2_EPS = 1e-6   # the KDA L2 norm's epsilon, inside the square root of the SUM (docs/kimi-k3.md 3.4.4)
 
 
 def provenance():
@@ -52,7 +52,7 @@ def f32(t):
 
 
 def rmsnorm64(x, gamma, eps):
-    """spec 0.1 in float64: gamma * x / sqrt(mean(x^2) + eps), per row."""
+    """docs/kimi-k3.md 0.1 in float64: gamma * x / sqrt(mean(x^2) + eps), per row."""
     x = x.double()
     return gamma.double() * x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
@@ -106,7 +106,7 @@ def mxfp4_case(gen):
 
 
 def situ64(a, b, beta1, beta2):
-    """spec 0.2 in float64: the sigmoid takes the UNCAPPED gate; beta2 = None means the up branch is b."""
+    """docs/kimi-k3.md 0.2 in float64: the sigmoid takes the UNCAPPED gate; beta2 = None means the up branch is b."""
     a, b = a.double(), b.double()
     gate = beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)
     up = b if beta2 is None else beta2 * torch.tanh(b / beta2)

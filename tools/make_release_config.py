@@ -1,9 +1,9 @@
-"""make_release_config.py - Kimi K3's release config.json (text part), written from spec section 1.
+"""make_release_config.py - Kimi K3's release config.json (text part), written from docs/kimi-k3.md section 1.
 
 Usage:  /usr/bin/python3 tools/make_release_config.py --out fixtures/k3-release/config.json
 
-Every field of spec 1.1 and 1.2 with the published values, in the release's nested form (top level
-`kimi_k3`, `text_config` = `kimi_linear`), plus the quantization_config of spec 2.4. Used by `kimik3
+Every field of docs/kimi-k3.md 1.1 and 1.2 with the published values, in the release's nested form (top level
+`kimi_k3`, `text_config` = `kimi_linear`), plus the quantization_config of docs/kimi-k3.md 2.4. Used by `kimik3
 plan`, `kimik3 synth` and the tests that need the real 93-layer geometry without the 1.56 TB of weights.
 The vision_config is a stub: the text engine never reads it.
 """
@@ -13,7 +13,7 @@ import json
 import os
 
 L = 93
-FULL_ATTN = [l + 1 for l in range(L) if l % 4 == 3] + [L]   # 1-based: 4, 8, ..., 92, 93 (spec 1.3)
+FULL_ATTN = [l + 1 for l in range(L) if l % 4 == 3] + [L]   # 1-based: 4, 8, ..., 92, 93 (docs/kimi-k3.md 1.3)
 KDA = [n for n in range(1, L + 1) if n not in FULL_ATTN]
 
 

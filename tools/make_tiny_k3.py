@@ -1,4 +1,4 @@
-"""make_tiny_k3.py - write the project's tiny Kimi K3 (spec 3.10) in the exact release layout (spec 2).
+"""make_tiny_k3.py - write the project's tiny Kimi K3 (docs/kimi-k3.md 3.10) in the exact release layout (docs/kimi-k3.md section 2).
 
     /usr/bin/python3 tools/make_tiny_k3.py --out fixtures/tiny-k3
 
@@ -47,14 +47,14 @@ SEED = 20260731
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # ------------------------------------------------------------------------------------------------
-# 1. The tiny configuration (spec 3.10). Every text_config field of spec 1.2 is present.
+# 1. The tiny configuration (docs/kimi-k3.md 3.10). Every text_config field of docs/kimi-k3.md 1.2 is present.
 # ------------------------------------------------------------------------------------------------
 
 NUM_LAYERS = 13
 FULL_ATTN_LAYERS = [4, 8, 12, 13]                       # 1-based, like the release: MLA at l = 3, 7, 11, 12
 KDA_LAYERS = [l for l in range(1, NUM_LAYERS + 1) if l not in FULL_ATTN_LAYERS]
 
-QUANTIZATION_CONFIG = {                                 # spec 2.4, verbatim structure
+QUANTIZATION_CONFIG = {                                 # docs/kimi-k3.md 2.4, verbatim structure
     "quant_method": "compressed-tensors",
     "format": "mxfp4-pack-quantized",
     "quantization_status": "compressed",
@@ -178,7 +178,7 @@ def use_config(config):
     SHARD1_LAYERS = range(0, (NUM_LAYERS + 1) // 2)   # the first half of the layers in shard 1 (plus the embedding)
     # A_log: the tiny K3's 4 meaningful per-head values, spread so that per-channel indexing (A_log[i]
     # with i the channel inside a head, which would read the zero padding for i >= 4) gives a visibly
-    # different decay; entries 4..31 stay exactly 0 like the release's padding (trap 5.1.1). Other head
+    # different decay; entries 4..31 stay exactly 0 like the release's padding (trap 5.1.1 of docs/kimi-k3.md). Other head
     # counts draw theirs from the same spread.
     A_LOG_HEADS = [-1.5, 0.9, -0.6, 1.8] if H_K == 4 else normal("A_log.heads", (H_K,), 1.2).tolist()
 
@@ -227,7 +227,7 @@ def f32(t):
 
 
 def attn_res_pair(prefix, name):
-    """An AttnRes mixer (spec 3.2): gamma ~ 1 and a score vector with std 0.12 (scores of RMS-1 keys
+    """An AttnRes mixer (docs/kimi-k3.md 3.2): gamma ~ 1 and a score vector with std 0.12 (scores of RMS-1 keys
     then spread by ~1.4, enough to prefer candidates without collapsing onto one)."""
     return [
         (f"{prefix}{name}_norm.weight", bf16(norm_gamma(f"{prefix}{name}_norm.weight", (D,)))),
@@ -236,7 +236,7 @@ def attn_res_pair(prefix, name):
 
 
 def kda_tensors(p):
-    """KDA attention block (spec 2.2 KDA table, in that order)."""
+    """KDA attention block (docs/kimi-k3.md 2.2 KDA table, in that order)."""
     taps = []
     for which in ("q", "k", "v"):
         # depthwise causal conv taps [P, 1, 4]: mostly the current token (tap 3), some history.
@@ -264,7 +264,7 @@ def kda_tensors(p):
 
 
 def mla_tensors(p):
-    """Gated MLA block (spec 2.2 MLA table, in that order). q_b and kv_b are scaled up so that the
+    """Gated MLA block (docs/kimi-k3.md 2.2 MLA table, in that order). q_b and kv_b are scaled up so that the
     attention is neither uniform nor one-hot (scores of std ~2 before the softmax)."""
     return [
         (f"{p}q_a_proj.weight", bf16(normal(f"{p}q_a_proj.weight", (RQ, D), 1 / math.sqrt(D)))),
@@ -289,11 +289,11 @@ def situ_ffn(p, width, in_dim, down_std):
 
 
 def moe_trunk_tensors(p):
-    """Non-expert MoE tensors (spec 2.2 MoE table, in that order)."""
+    """Non-expert MoE tensors (docs/kimi-k3.md 2.2 MoE table, in that order)."""
     return [
         # router: logits of std ~2.3 for an RMS-1 input, so sigmoid scores spread over (0, 1)
         (f"{p}gate.weight", bf16(normal(f"{p}gate.weight", (E, D), 0.2))),
-        # selection bias, comparable to the score spread: reorders the top-k on most tokens (trap 5.1.3)
+        # selection bias, comparable to the score spread: reorders the top-k on most tokens (trap 5.1.3 of docs/kimi-k3.md)
         (f"{p}gate.e_score_correction_bias", f32(normal(f"{p}gate.e_score_correction_bias", (E,), 0.25))),
         # latent down-projection: z of RMS ~2, so expert pre-activations reach the SiTU caps sometimes
         (f"{p}routed_expert_down_proj.weight", bf16(normal(f"{p}routed_expert_down_proj.weight", (LT, D), 2 / math.sqrt(D)))),
@@ -304,7 +304,7 @@ def moe_trunk_tensors(p):
 
 
 def expert_tensors(p, e):
-    """One routed expert, MXFP4 (spec 2.4): the six tensors back to back, w1, w3, w2."""
+    """One routed expert, MXFP4 (docs/kimi-k3.md 2.4): the six tensors back to back, w1, w3, w2."""
     q = f"{p}experts.{e}."
     out = []
     for which, out_dim, in_dim, lo, hi in (("w1", F, LT, -2.0, 2.0), ("w3", F, LT, -2.0, 3.5), ("w2", LT, F, -3.0, -1.5)):
@@ -316,10 +316,10 @@ def expert_tensors(p, e):
 
 def layer_tensors(l):
     """(trunk run, expert list) of layer l. Trunk order: input_layernorm, self_attention_res_{norm,proj},
-    the attention block (spec 2.2 table order), post_attention_layernorm, mlp_res_{norm,proj}, the FFN block."""
+    the attention block (docs/kimi-k3.md 2.2 table order), post_attention_layernorm, mlp_res_{norm,proj}, the FFN block."""
     p = f"model.layers.{l}."
     trunk = [(f"{p}input_layernorm.weight", bf16(norm_gamma(f"{p}input_layernorm.weight", (D,))))]
-    trunk += attn_res_pair(p, "self_attention_res")       # present at layer 0 too, though unused (spec 2.2)
+    trunk += attn_res_pair(p, "self_attention_res")       # present at layer 0 too, though unused (docs/kimi-k3.md 2.2)
     trunk += mla_tensors(p + "self_attn.") if l in MLA_LAYERS else kda_tensors(p + "self_attn.")
     trunk += [(f"{p}post_attention_layernorm.weight", bf16(norm_gamma(f"{p}post_attention_layernorm.weight", (D,))))]
     trunk += attn_res_pair(p, "mlp_res")
@@ -348,7 +348,7 @@ def all_shards():
     # logits of std ~3 for an RMS-1 final hidden state
     shard2 += [("lm_head.weight", bf16(normal("lm_head.weight", (V, D), 0.27)))]
     shards = [[(prefix + n, t) for n, t in shard1], [(prefix + n, t) for n, t in shard2]]
-    # Two small vision stubs (not `language_model.`): the text engine must skip them (spec 2).
+    # Two small vision stubs (not `language_model.`): the text engine must skip them (docs/kimi-k3.md section 2).
     shards[1] += [("vision_tower.patch_embed.proj.weight", bf16(normal("vision_tower.stub", (16, 3, 2, 2), 0.1))),
                   ("mm_projector.proj.0.weight", bf16(normal("mm_projector.stub", (D, 16), 0.1)))]
     return shards
@@ -411,7 +411,7 @@ def collect_stats(out_dir):
              f"# ids: {','.join(map(str, ids))}", ""]
 
     # (a) AttnRes: per mixer, max softmax weight (mean / max over tokens) and entropy vs log(n).
-    lines.append("## AttnRes mixing weights (spec 3.2): per mix, n candidates, max weight mean/max over tokens, "
+    lines.append("## AttnRes mixing weights (docs/kimi-k3.md 3.2): per mix, n candidates, max weight mean/max over tokens, "
                  "entropy mean (nats) vs uniform log(n)")
     worst = 0.0
     mixes = []
@@ -431,7 +431,7 @@ def collect_stats(out_dir):
     lines.append("")
 
     # (b) Routing: expert-usage histogram, distinct top-k sets, tokens where the bias changes the set.
-    lines.append(f"## MoE routing (spec 3.6) over {STATS_TOKENS} tokens: usage count per expert 0..{cfg.num_experts - 1}, "
+    lines.append(f"## MoE routing (docs/kimi-k3.md 3.6) over {STATS_TOKENS} tokens: usage count per expert 0..{cfg.num_experts - 1}, "
                  "distinct top-k sets, tokens where the biased top-k SET differs from the unbiased one")
     total_diff = 0
     for l in range(cfg.num_hidden_layers):
@@ -450,8 +450,8 @@ def collect_stats(out_dir):
     lines.append(f"bias changes the selected set on {total_diff}/{moe_layers * STATS_TOKENS} (token, layer) pairs")
     lines.append("")
 
-    # (c) SiTU caps (spec 0.2): pre-activations beyond the soft caps.
-    lines.append("## SiTU-GLU soft caps (spec 0.2): count |a| > 8 (gate) and |b| > 25 (up) pre-activations")
+    # (c) SiTU caps (docs/kimi-k3.md 0.2): pre-activations beyond the soft caps.
+    lines.append("## SiTU-GLU soft caps (docs/kimi-k3.md 0.2): count |a| > 8 (gate) and |b| > 25 (up) pre-activations")
     groups = {"dense (layer 0)": [("layer.0.ffn.gate_pre", "layer.0.ffn.up_pre")],
               "shared experts": [], "routed experts": []}
     for l in range(1, cfg.num_hidden_layers):
@@ -465,8 +465,8 @@ def collect_stats(out_dir):
     lines.append("")
 
     # (d) KDA decay: per head mean decay alpha = exp(g), and what per-channel A_log indexing would change.
-    lines.append("## KDA decay (spec 3.4.3): A_log per head, mean alpha = exp(g) per head over all KDA layers/tokens; "
-                 "max |g - g_wrong| if A_log were indexed per channel inside the head (trap 5.1.1)")
+    lines.append("## KDA decay (docs/kimi-k3.md 3.4.3): A_log per head, mean alpha = exp(g) per head over all KDA layers/tokens; "
+                 "max |g - g_wrong| if A_log were indexed per channel inside the head (trap 5.1.1 of docs/kimi-k3.md)")
     lb = cfg.gate_lower_bound
     kda_layers = [l for l in range(cfg.num_hidden_layers) if cfg.layer_kinds[l] == "kda"]
     a_log_full = model.w(f"model.layers.{kda_layers[0]}.self_attn.A_log", (cfg.kda_head_dim,))
@@ -489,7 +489,7 @@ def collect_stats(out_dir):
     top2 = torch.topk(logits, 2, dim=-1).values
     margin = top2[:, 0] - top2[:, 1]
     argmax = logits.argmax(dim=-1)
-    lines.append("## Logits (spec 3.7)")
+    lines.append("## Logits (docs/kimi-k3.md 3.7)")
     lines.append(f"per-position std: mean {float(logits.std(dim=-1).mean()):.3f}  min {float(logits.std(dim=-1).min()):.3f}"
                  f"   range [{float(logits.min()):.2f}, {float(logits.max()):.2f}]")
     lines.append(f"top1-top2 margin: min {float(margin.min()):.4f}  median {float(margin.median()):.4f}")
@@ -500,7 +500,7 @@ def collect_stats(out_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Write the tiny Kimi K3 test model (spec 3.10) in the release layout.")
+    parser = argparse.ArgumentParser(description="Write the tiny Kimi K3 test model (docs/kimi-k3.md 3.10) in the release layout.")
     parser.add_argument("--out", required=True, help="output folder, e.g. fixtures/tiny-k3")
     parser.add_argument("--no-stats", action="store_true", help="skip STATS.txt (faster)")
     args = parser.parse_args()

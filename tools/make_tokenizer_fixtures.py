@@ -2,7 +2,7 @@
 and the agreement corpus. Deterministic; no randomness, no network.
 
   fixtures/tiny-k3/tokenizer_config.json       the tiny K3's 32 specials (ids 480..511)
-  fixtures/tokenizer/k3_tokenizer_config.json  K3's 256 specials (ids 163584..163839), spec section 4
+  fixtures/tokenizer/k3_tokenizer_config.json  K3's 256 specials (ids 163584..163839), docs/kimi-k3.md section 4
   fixtures/little-k3/tokenizer_config.json     the same 256 specials after little-k3's 4096 BPE ranks:
                                                K3 id 163584 + k -> 4096 + k (ids 4096..4351)
   fixtures/tokenizer/corpus.json               [{"name", "text", "vocabs"}]: the strings whose ids

@@ -1,4 +1,4 @@
-"""mxfp4.py - OCP MXFP4 in the compressed-tensors `mxfp4-pack-quantized` layout (spec section 2.4).
+"""mxfp4.py - OCP MXFP4 in the compressed-tensors `mxfp4-pack-quantized` layout (docs/kimi-k3.md section 2.4).
 
 Kimi K3 ships its routed experts (w1 gate, w3 up, w2 down) as MXFP4: 4-bit E2M1 codes in blocks of
 32 columns, one E8M0 power-of-two scale per block. A weight of logical shape [out, in] is stored as
@@ -6,7 +6,7 @@ Kimi K3 ships its routed experts (w1 gate, w3 up, w2 down) as MXFP4: 4-bit E2M1 
     weight_packed [out, in/2]  uint8   two codes per byte
     weight_scale  [out, in/32] uint8   one E8M0 exponent per 32-column block
 
-Bit layout of one packed byte (spec 2.4, trap 5.1.6):
+Bit layout of one packed byte (docs/kimi-k3.md 2.4, trap 5.1.6):
 
         bit  7   6   5   4   3   2   1   0
            +---+---+---+---+---+---+---+---+
@@ -18,7 +18,7 @@ One 4-bit code (OCP FP4 E2M1): bit 3 = sign, bits 2..1 = exponent, bit 0 = manti
     0..7  -> 0, 0.5, 1, 1.5, 2, 3, 4, 6          8..15 -> -0, -0.5, -1, -1.5, -2, -3, -4, -6
 
 One scale byte s (OCP E8M0): the value 2^(s - 127). s = 0 is 2^-127 (a denormal in float32, keep
-it); s = 255 is NaN in the OCP spec and is refused here (trap 5.1.7).
+it); s = 255 is NaN in the OCP spec and is refused here (trap 5.1.7 of docs/kimi-k3.md).
 
     W[r, c] = E2M1(code(r, c)) * 2^(weight_scale[r, c // 32] - 127)
 

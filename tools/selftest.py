@@ -2,11 +2,11 @@
 
     /usr/bin/python3 tools/selftest.py [--model fixtures/tiny-k3]
 
-Each check recomputes something with the OTHER formulation the spec gives and compares with
+Each check recomputes something with the OTHER formulation docs/kimi-k3.md gives and compares with
 tools/k3_reference.py, in float64, on the tiny K3:
-  (a) MLA: the absorbed form of spec 3.5.4 equals the reference's naive form (3.5.3)
-  (b) AttnRes: the closed form of spec 3.2 equals the reference's procedural form
-  (c) KDA: the chunked WY form of spec 3.4.7 (chunk 4, also 3 and whole-sequence) equals the
+  (a) MLA: the absorbed form of docs/kimi-k3.md 3.5.4 equals the reference's naive form (3.5.3)
+  (b) AttnRes: the closed form of docs/kimi-k3.md 3.2 equals the reference's procedural form
+  (c) KDA: the chunked WY form of docs/kimi-k3.md 3.4.7 (chunk 4, also 3 and whole-sequence) equals the
       reference's token recurrence (3.4.5): outputs and states
   (d) MXFP4: exhaustive decode vs an independent bit-level formula, pack/unpack and quantize
       roundtrips, E8M0 255 refused, and a swapped-nibble decode differs (per weight and on the logits)
@@ -54,7 +54,7 @@ def rel(a, b):
 
 
 # ------------------------------------------------------------------------------------------------
-# (a) absorbed MLA, spec 3.5.4
+# (a) absorbed MLA, docs/kimi-k3.md 3.5.4
 # ------------------------------------------------------------------------------------------------
 
 def check_mla_absorbed(model, dump, T):
@@ -82,7 +82,7 @@ def check_mla_absorbed(model, dump, T):
 
 
 # ------------------------------------------------------------------------------------------------
-# (b) closed-form AttnRes, spec 3.2
+# (b) closed-form AttnRes, docs/kimi-k3.md 3.2
 # ------------------------------------------------------------------------------------------------
 
 def check_attnres_closed_form(model, dump, ids):
@@ -128,12 +128,12 @@ def check_attnres_closed_form(model, dump, ids):
 
 
 # ------------------------------------------------------------------------------------------------
-# (c) chunked WY KDA, spec 3.4.7
+# (c) chunked WY KDA, docs/kimi-k3.md 3.4.7
 # ------------------------------------------------------------------------------------------------
 
 def kda_chunked(q, k, v, g, beta, chunk):
     """One head. q, k [T, Dk] (normalised, q scaled), v [T, Dv], g [T, Dk] log decay, beta [T].
-    Returns (O [T, Dv], final state S [Dk, Dv]), spec 3.4.7 literally."""
+    Returns (O [T, Dv], final state S [Dk, Dv]), docs/kimi-k3.md 3.4.7 literally."""
     T, Dk = k.shape
     S = torch.zeros(Dk, v.shape[1], dtype=q.dtype)
     outputs = []
@@ -174,7 +174,7 @@ def check_kda_chunked(model, dump, T):
 
 
 # ------------------------------------------------------------------------------------------------
-# (d) MXFP4, spec 2.4
+# (d) MXFP4, docs/kimi-k3.md 2.4
 # ------------------------------------------------------------------------------------------------
 
 def e2m1_from_bits(code):

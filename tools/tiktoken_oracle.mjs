@@ -23,7 +23,7 @@ const require = createRequire(path.join(prefix, "node_modules", "/"));
 const { Tiktoken } = require("tiktoken/lite");
 const tiktokenVersion = JSON.parse(fs.readFileSync(path.join(prefix, "node_modules", "tiktoken", "package.json"), "utf8")).version;
 
-// K3's pat_str, spec section 4 (tokenization_kimi.py), alternatives joined with "|".
+// K3's pat_str, docs/kimi-k3.md section 4 (tokenization_kimi.py), alternatives joined with "|".
 const PAT_STR = [
   String.raw`[\p{Han}]+`,
   String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?`,

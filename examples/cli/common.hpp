@@ -122,11 +122,13 @@ inline std::string parse_think_effort(const std::string& s, const char* usage) {
 // far from overflowing the plan's arithmetic).
 constexpr long long kMaxPositions = 1ll << 31;
 
-// --budget SIZE or --preset NAME (or neither: the auto preset) in bytes. 0 is refused here: inside
-// the engine it means "everything resident, no budget".
+// --budget SIZE or --preset NAME (or neither: the auto preset) in bytes; --budget floor is the model's
+// own floor (kBudgetFloor, resolved by the planner). 0 is refused here: inside the engine it means
+// "everything resident, no budget".
 inline std::uint64_t budget_bytes(const std::string& budget, const std::string& preset, const char* usage) {
     if (!budget.empty() && !preset.empty()) throw Usage(std::string("give --budget or --preset, not both\n\n") + usage);
-    const std::uint64_t b = budget.empty() ? preset_bytes(preset.empty() ? "auto" : preset) : parse_size(budget);
+    const std::uint64_t b = budget.empty() ? preset_bytes(preset.empty() ? "auto" : preset)
+                            : budget == "floor" ? kBudgetFloor : parse_size(budget);
     if (b == 0) throw Usage("--budget: '" + budget + "' is no memory at all\n\n" + usage);
     return b;
 }

@@ -12,7 +12,8 @@ inline const char* kPlanUsage =
     "latent KV cache, small tensors, pinned layers), how the rest streams (ring slots, chunk size, expert\n"
     "slots), the expected peak memory and the bytes read per token. --config plans from a config.json alone,\n"
     "e.g. the real 93-layer K3: kimik3 plan --config fixtures/k3-release/config.json --preset laptop.\n"
-    "A budget below the floor is refused (exit code 3) with the floor in the message.\n"
+    "A budget below the floor is refused (exit code 3) with the floor in the message; --budget floor asks\n"
+    "for exactly the floor.\n"
     "  --context N    positions of latent KV cache to plan for (default 4096)\n";
 
 inline int cmd_plan(std::vector<std::string> args) {
@@ -31,7 +32,7 @@ inline int cmd_plan(std::vector<std::string> args) {
     }
     PlanOptions o;
     if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kPlanUsage, kMaxPositions));
-    const Plan p = make_plan(c, s, budget.empty() ? preset_bytes(preset) : parse_size(budget), o);
+    const Plan p = make_plan(c, s, budget_bytes(budget, preset, kPlanUsage), o);
     if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p));
     std::printf("%s", describe_plan(p, c).c_str());
     return kExitOk;

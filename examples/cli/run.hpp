@@ -26,11 +26,20 @@ inline const char* kRunUsage =
     "generation:\n"
     "  --gen N             tokens to generate (default 16). With --ids and --gen 0: teacher forcing, the\n"
     "                      logits of every position of the given ids\n"
-    "  --temperature T     sampling temperature (default 0: greedy); --top-k K, --top-p P, --seed S\n"
+    "  --temperature T     sampling temperature (default 0: greedy); --top-k K, --top-p P, --seed S (the token\n"
+    "                      at position p is drawn with output p of the seed's stream, whatever --speculate is)\n"
     "  --recompute         recompute the whole sequence for every token (default: incremental decode)\n"
+    "  --speculate N       speculative decoding: each step drafts up to N tokens (1-32) from the sequence itself\n"
+    "                      (what followed the most recent earlier match of its last 4..2 tokens) and verifies\n"
+    "                      them all in one forward step. The output is the same, bit for bit, in fewer steps.\n"
+    "                      It pays when a step is bound by reading the trunk (a budget well below the trunk's\n"
+    "                      size: a step reads it once whatever N is) and the text repeats itself (code, lists,\n"
+    "                      quoting). Rejected drafts still cost their experts' reads; with the trunk resident a\n"
+    "                      step is bound by compute, which grows with the tokens verified\n"
     "  --prefill-chunk N   prompt tokens per forward step (default 32): each expert is read once per chunk\n"
     "memory and I/O:\n"
-    "  --budget SIZE       memory budget, e.g. 8G, 512M, 40M (default: --preset auto)\n"
+    "  --budget SIZE       memory budget, e.g. 8G, 512M, 40M, or floor (the smallest that runs; default:\n"
+    "                      --preset auto)\n"
     "  --preset NAME       laptop (8G), desktop (32G), server (128G), auto (90% of MemAvailable)\n"
     "  --context N         positions the MLA cache holds (default: prompt + generated tokens)\n"
     "  --trunk DIR         read the trunk from DIR/trunk.bin (kimik3 pack-trunk) instead of the shards\n"
@@ -83,14 +92,15 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // Bytes read so far from disk by the trunk (pieces, embedding rows) and the experts.
 struct IoSnapshot {
-    std::uint64_t trunk = 0, experts = 0;
+    std::uint64_t trunk = 0, experts = 0, embed_rows = 0;
     double trunk_wait = 0, trunk_read = 0, expert_read = 0, expert_wait = 0;
     CacheStats cache;
 };
 inline IoSnapshot io_snapshot(Model& m) {
     IoSnapshot s;
     const RingStats r = m.trunk().ring_stats();
-    s.trunk = r.bytes + m.trunk().stats().embed_rows * std::uint64_t(m.config.hidden_size) * 2;
+    s.embed_rows = m.trunk().stats().embed_rows;
+    s.trunk = r.bytes + s.embed_rows * std::uint64_t(m.config.hidden_size) * 2;
     s.trunk_wait = r.wait_seconds;
     s.trunk_read = r.read_seconds;
     if (m.experts()) s.cache = m.experts()->stats(), s.experts = s.cache.bytes_read, s.expert_read = s.cache.read_seconds, s.expert_wait = s.cache.wait_seconds;
@@ -109,6 +119,30 @@ inline ssize_t failing_pread(int fd, void* buf, std::size_t n, off_t off) {
     return ::pread(fd, buf, n, off);
 }
 
+// "fixtures/little-k3: 14.03 M parameters (5.01 M in 256 routed experts), made by tools/train_little_k3.py":
+// what the model is, from its tensors and the `generator` its shards record (when they record one).
+inline std::string model_summary(const Model& model, const std::string& dir) {
+    std::uint64_t params = 0, expert_params = 0;
+    for (const auto& [name, ref] : model.checkpoint.tensors()) {
+        if (name.rfind("language_model.", 0) != 0) continue;
+        const bool packed = name.size() > 14 && name.compare(name.size() - 14, 14, ".weight_packed") == 0;
+        const bool scale = name.size() > 13 && name.compare(name.size() - 13, 13, ".weight_scale") == 0;
+        if (scale) continue;  // one E8M0 scale per 32 weights: part of the weights' encoding, not parameters
+        const std::uint64_t n = packed ? 2 * ref.info->numel() : ref.info->numel();  // MXFP4: two weights per byte
+        params += n;
+        if (name.find(".experts.") != std::string::npos) expert_params += n;
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.2f M parameters (%.2f M in %llu routed experts)", double(params) / 1e6, double(expert_params) / 1e6,
+                  (unsigned long long)model.census.expert_count);
+    std::string s = dir + ": " + buf;
+    for (const auto& shard : model.checkpoint.shards()) {
+        const auto it = shard->header().metadata.find("generator");
+        if (it != shard->header().metadata.end()) return s + ", made by " + it->second;
+    }
+    return s;
+}
+
 inline int cmd_run(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
     if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
@@ -121,7 +155,8 @@ inline int cmd_run(std::vector<std::string> args) {
                       trace_path = take_option(args, "--trace-experts", kRunUsage), out_path = take_option(args, "--out", kRunUsage),
                       temp_arg = take_option(args, "--temperature", kRunUsage), topk_arg = take_option(args, "--top-k", kRunUsage),
                       topp_arg = take_option(args, "--top-p", kRunUsage), seed_arg = take_option(args, "--seed", kRunUsage),
-                      effort_arg = take_option(args, "--think-effort", kRunUsage);
+                      effort_arg = take_option(args, "--think-effort", kRunUsage),
+                      speculate_arg = take_option(args, "--speculate", kRunUsage);
     const bool recompute = take_flag(args, "--recompute"), raw = take_flag(args, "--raw"), think = take_flag(args, "--think"),
                no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
     if (args.size() != 1 || args[0].rfind("-", 0) == 0)
@@ -146,7 +181,13 @@ inline int cmd_run(std::vector<std::string> args) {
     sp.temperature = temp_arg.empty() ? 0.0f : parse_real(temp_arg, "--temperature", kRunUsage, 0.0f, 100.0f);
     sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage, 1 << 30));
     sp.top_p = topp_arg.empty() ? 1.0f : parse_real(topp_arg, "--top-p", kRunUsage, 0.0f, 1.0f);
-    SplitMix64 rng(seed_arg.empty() ? 0 : std::uint64_t(parse_count(seed_arg, "--seed", kRunUsage)));
+    sp.seed = seed_arg.empty() ? 0 : std::uint64_t(parse_count(seed_arg, "--seed", kRunUsage));
+    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kRunUsage, 32));
+    if (!speculate_arg.empty() && speculate == 0)
+        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kRunUsage);
+    if (speculate && recompute)
+        throw Usage(std::string("--speculate and --recompute do not go together (--recompute starts every token afresh)\n\n") + kRunUsage);
+    if (speculate && gen == 0) throw Usage(std::string("--speculate needs tokens to generate (--gen 1 or more)\n\n") + kRunUsage);
     const auto t_start = std::chrono::steady_clock::now();
 
     // the input: ids, or text through the tokenizer (and the chat format)
@@ -203,30 +244,43 @@ inline int cmd_run(std::vector<std::string> args) {
     std::vector<float> logits;  // (positions, V)
     std::vector<std::int64_t> out_ids;
     struct StepRow {
-        std::size_t step, tokens;            // tokens: fed in this forward step (a prompt chunk or 1)
-        std::int64_t token;
+        std::size_t step, tokens;            // step: the first token it yielded; tokens: fed (a prompt chunk, 1, 1 + drafts)
+        std::int64_t token;                  // the (first) token the step yielded
         double seconds, io_wait;             // io_wait: time the computation waited on reads
         std::uint64_t bytes, retained, requests;
         std::vector<double> layers;          // seconds per layer
         double head;                         // embedding + final mix + lm_head
+        std::uint64_t trunk_bytes, expert_bytes, embed_rows;
+        std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
     };
     std::vector<StepRow> rows;
+    std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
     Utf8Stream utf8;
     const StopTokens stops = tok ? stop_tokens(*tok) : StopTokens{};
     IoSnapshot prev = io_snapshot(model);
     auto t_step = std::chrono::steady_clock::now();
     const auto t_run = t_step;
-    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens) {
+    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens, SpeculativeStep spec = {0, 0, 0, 1}) {
         const IoSnapshot now = io_snapshot(model);
         rows.push_back({step, tokens, token, seconds_since(t_step),
                         (now.trunk_wait - prev.trunk_wait) + (now.expert_wait - prev.expert_wait),
                         (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
-                        now.cache.requests - prev.cache.requests, model.layer_seconds, model.head_seconds});
+                        now.cache.requests - prev.cache.requests, model.layer_seconds, model.head_seconds, now.trunk - prev.trunk,
+                        now.experts - prev.experts, now.embed_rows - prev.embed_rows, spec.drafted, spec.accepted, spec.yielded});
         if (!quiet) {
-            if (rows.size() == 1) std::fprintf(stderr, "%6s %8s %9s %17s %10s\n", "step", "token", "seconds", "experts retained", "MB read");
             const StepRow& r = rows.back();
-            std::fprintf(stderr, "%6zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, (long long)r.token, r.seconds,
-                         (unsigned long long)r.retained, (unsigned long long)r.requests, double(r.bytes) / 1e6);
+            if (speculate) {
+                if (rows.size() == 1)
+                    std::fprintf(stderr, "%6s %5s %7s %8s %7s %8s %9s %17s %10s\n", "step", "fed", "drafted", "accepted", "yielded", "token",
+                                 "seconds", "experts retained", "MB read");
+                std::fprintf(stderr, "%6zu %5zu %7zu %8zu %7zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, r.tokens, r.drafted, r.accepted,
+                             r.yielded, (long long)r.token, r.seconds, (unsigned long long)r.retained, (unsigned long long)r.requests,
+                             double(r.bytes) / 1e6);
+            } else {
+                if (rows.size() == 1) std::fprintf(stderr, "%6s %8s %9s %17s %10s\n", "step", "token", "seconds", "experts retained", "MB read");
+                std::fprintf(stderr, "%6zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, (long long)r.token, r.seconds,
+                             (unsigned long long)r.retained, (unsigned long long)r.requests, double(r.bytes) / 1e6);
+            }
         }
         prev = now;
         t_step = std::chrono::steady_clock::now();
@@ -243,24 +297,51 @@ inline int cmd_run(std::vector<std::string> args) {
             for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
             std::printf("\n");
         } else {
-            const Generation g = generate(
-                model, ids, gen, chunk, recompute, mo.plan.context,
-                [&](std::span<const float> l) -> std::int64_t { return sp.temperature > 0 ? std::int64_t(sample(l, sp, rng)) : argmax(l.data(), l.size()); },
-                [&](std::size_t step, std::int64_t id) {
-                    record(step, id, step == 0 || recompute ? ids.size() + step : 1);
-                    if (tok) {
-                        if (stops.contains(std::uint32_t(id))) return false;
-                        const std::uint32_t u = std::uint32_t(id);
-                        std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
-                    } else {
-                        std::printf("%s%lld", step ? "," : "", (long long)id);
+            // the token at position p is chosen from its logits (sampled with output p of the seed's stream)
+            auto choose = [&](std::span<const float> l, std::uint64_t position) -> std::int64_t {
+                return sp.temperature > 0 ? std::int64_t(sample(l, sp, position)) : argmax(l.data(), l.size());
+            };
+            auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
+                if (tok) {
+                    if (stops.contains(std::uint32_t(id))) {
+                        stop_token = id;
+                        return false;
                     }
-                    std::fflush(stdout);
-                    return true;
-                });
+                    const std::uint32_t u = std::uint32_t(id);
+                    std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
+                } else {
+                    std::printf("%s%lld", step ? "," : "", (long long)id);
+                }
+                std::fflush(stdout);
+                return true;
+            };
+            if (speculate) {
+                Session s(model.config, mo.plan.context);
+                std::vector<std::int64_t> shown;  // every token so far (the step rows name their first)
+                out_ids = continue_speculative(
+                    model, s, ids, gen, speculate, chunk, choose,
+                    [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); },
+                    [&](std::int64_t id) {
+                        shown.push_back(id);
+                        return show(shown.size() - 1, id);
+                    },
+                    [&](const SpeculativeStep& st) {
+                        const std::size_t first = shown.size() - st.yielded;
+                        record(first, shown[first], st.fed, st);
+                    },
+                    &logits);
+            } else {
+                std::uint64_t position = ids.size();
+                const Generation g = generate(
+                    model, ids, gen, chunk, recompute, mo.plan.context, [&](std::span<const float> l) { return choose(l, position++); },
+                    [&](std::size_t step, std::int64_t id) {
+                        record(step, id, step == 0 || recompute ? ids.size() + step : 1);
+                        return show(step, id);
+                    });
+                out_ids = g.ids;
+                logits = g.logits;
+            }
             std::printf("%s\n", tok ? utf8.finish().c_str() : "");
-            out_ids = g.ids;
-            logits = g.logits;
         }
     } catch (const Error& e) {
         if (e.kind != ErrorKind::runtime) throw;
@@ -277,7 +358,15 @@ inline int cmd_run(std::vector<std::string> args) {
     const IoSnapshot io = io_snapshot(model);
     const std::uint64_t rss = peak_rss_bytes();
     const double blocked = io.trunk_wait + io.expert_wait;
-    std::fprintf(stderr, "report\n  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
+    std::fprintf(stderr, "report\n  model %s\n", model_summary(model, dir).c_str());
+    if (!teacher_forcing) {
+        if (stop_token >= 0)
+            std::fprintf(stderr, "  stopped at the stop token %s (id %lld) after %zu generated tokens (--gen %zu not reached)\n",
+                         [&] { const std::uint32_t u = std::uint32_t(stop_token); return tok->decode(std::span<const std::uint32_t>(&u, 1)); }().c_str(), (long long)stop_token, out_ids.size() - 1, gen);
+        else
+            std::fprintf(stderr, "  stopped after --gen %zu tokens (no stop token)\n", gen);
+    }
+    std::fprintf(stderr, "  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
                  human_bytes(double(model.plan.total())).c_str());
     std::fprintf(stderr, "  wall %.3f s (load %.3f s, run %.3f s); waiting on I/O %.3f s = %.0f%% of the run\n", wall, load_seconds, run_seconds,
                  blocked, run_seconds > 0 ? 100.0 * blocked / run_seconds : 0.0);
@@ -293,6 +382,32 @@ inline int cmd_run(std::vector<std::string> args) {
                      (unsigned long long)io.cache.requests, (unsigned long long)io.cache.hits, (unsigned long long)io.cache.retained,
                      (unsigned long long)io.cache.misses, (unsigned long long)io.cache.evictions, human_bytes(double(io.experts)).c_str(),
                      io.expert_read > 0 ? double(io.experts) / 1e6 / io.expert_read : 0.0);
+    // decode: every step after the prefill (which yielded the first token), from the engine's counters
+    struct DecodeTotals {
+        std::size_t steps = 0, yielded = 0, drafted = 0, accepted = 0;
+        std::uint64_t trunk = 0, experts = 0, embed_rows = 0;
+        double seconds = 0;
+    } dec;
+    for (std::size_t i = 1; i < rows.size() && !teacher_forcing && !recompute; ++i)
+        dec.steps++, dec.yielded += rows[i].yielded, dec.drafted += rows[i].drafted, dec.accepted += rows[i].accepted,
+            dec.trunk += rows[i].trunk_bytes, dec.experts += rows[i].expert_bytes, dec.embed_rows += rows[i].embed_rows,
+            dec.seconds += rows[i].seconds;
+    if (dec.steps) {
+        const double per = 1.0 / double(dec.yielded);
+        std::fprintf(stderr, "  decode: %zu steps yielded %zu tokens (%.2f per step), %.3f s per token; read per token: trunk %s + experts %s = %s\n",
+                     dec.steps, dec.yielded, double(dec.yielded) / double(dec.steps), dec.seconds * per, human_bytes(double(dec.trunk) * per).c_str(),
+                     human_bytes(double(dec.experts) * per).c_str(), human_bytes(double(dec.trunk + dec.experts) * per).c_str());
+        if (speculate) {
+            // one-token steps read the same trunk pieces every step, and one embedding row per token
+            const double row = double(model.config.hidden_size) * 2;
+            const double plain_trunk = (double(dec.trunk) - double(dec.embed_rows) * row) / double(dec.steps) + (dec.embed_rows ? row : 0.0);
+            std::fprintf(stderr, "  speculation (--speculate %zu): drafted %zu, accepted %zu (%.0f%%); one-token steps would read per token:\n"
+                                 "    trunk %s (this run's pieces per step) + experts up to %s (%d per MoE layer, fewer with cache hits)\n",
+                         speculate, dec.drafted, dec.accepted, dec.drafted ? 100.0 * double(dec.accepted) / double(dec.drafted) : 0.0,
+                         human_bytes(plain_trunk).c_str(), human_bytes(double(model.plan.expert_read_per_token)).c_str(),
+                         model.config.num_experts_per_token);
+        }
+    }
     if (!out_path.empty()) {
         nlohmann::ordered_json j;
         j["model"] = dir;
@@ -308,7 +423,11 @@ inline int cmd_run(std::vector<std::string> args) {
         for (const StepRow& r : rows)
             j["steps"].push_back({{"step", r.step}, {"tokens_fed", r.tokens}, {"token", r.token}, {"seconds", r.seconds},
                                   {"io_wait_seconds", r.io_wait}, {"bytes_read", r.bytes}, {"experts_retained", r.retained},
-                                  {"expert_requests", r.requests}, {"layer_seconds", r.layers}, {"head_seconds", r.head}});
+                                  {"expert_requests", r.requests}, {"layer_seconds", r.layers}, {"head_seconds", r.head},
+                                  {"trunk_bytes", r.trunk_bytes}, {"expert_bytes", r.expert_bytes}, {"drafted", r.drafted},
+                                  {"accepted", r.accepted}, {"yielded", r.yielded}});
+        j["decode"] = {{"steps", dec.steps}, {"tokens", dec.yielded}, {"seconds", dec.seconds}, {"trunk_bytes", dec.trunk},
+                       {"expert_bytes", dec.experts}, {"speculate", speculate}, {"drafted", dec.drafted}, {"accepted", dec.accepted}};
         j["memory"] = {{"peak_rss_bytes", rss}, {"plan_bytes", model.plan.total()}};
         j["io"] = {{"trunk_bytes_streamed", io.trunk}, {"trunk_bytes_at_start", model.trunk().stats().startup_bytes},
                    {"expert_bytes", io.experts}, {"blocked_on_io_seconds", blocked}, {"expert_requests", io.cache.requests},

@@ -108,7 +108,7 @@ inline void fill_block(std::byte* out, const Entry& e, std::uint64_t at, std::si
     });
 }
 
-// The fill of every tensor of spec 2, scaled so activations stay O(1): projections U with std 1/sqrt(in),
+// The fill of every tensor of docs/kimi-k3.md section 2, scaled so activations stay O(1): projections U with std 1/sqrt(in),
 // norms 1, AttnRes projections std 1/sqrt(D) (mixing scores of order 1), the router std 1/sqrt(D), expert
 // scales so that E2M1 codes (RMS 2.93) times the scale have std ~ 1/sqrt(in).
 inline Fill fill_for(const std::string& name, DType dtype, const Shape& shape, const Config& c) {

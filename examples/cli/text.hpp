@@ -24,6 +24,7 @@ inline const char* kDetokenizeUsage =
 inline const char* kChatUsage =
     "usage: kimik3 chat MODEL_DIR [--budget SIZE | --preset NAME] [--context N] [--max-new N] [--think [--think-effort E]]\n"
     "                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--system TEXT] [--trunk DIR]\n"
+    "                   [--speculate N]\n"
     "\n"
     "A multi-turn conversation in K3's chat format. Each line you type is a user message; the reply streams\n"
     "as it is generated and stops at <|end_of_msg|> or [EOS] (or after --max-new tokens, default 256); a reply\n"
@@ -33,7 +34,13 @@ inline const char* kChatUsage =
     "(--think-effort low, medium, high, max: the default, or none).\n"
     "Commands: /reset (start over), /save FILE, /load FILE (a session file: token history and every layer's\n"
     "state; refused if made for another model), /quit (or end of input).\n"
-    "  --context N    positions the conversation may reach (default 4096)\n";
+    "  --context N    positions the conversation may reach (default 4096)\n"
+    "  --seed S       the token at position p of the conversation is sampled with output p of the seed's stream,\n"
+    "                 so a conversation resumed with /load draws what it would have drawn\n"
+    "  --speculate N  draft up to N tokens (1-32) per step from the conversation itself (what followed the most\n"
+    "                 recent earlier match of its last 4..2 tokens) and verify them in one forward step: the\n"
+    "                 same replies in fewer steps. It pays when a step is bound by reading the trunk (a budget\n"
+    "                 well below the trunk's size) and replies repeat what came before (quoting, code, lists)\n";
 
 inline std::string read_all_stdin() {
     return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
@@ -81,7 +88,8 @@ inline int cmd_chat(std::vector<std::string> args) {
                       temp = take_option(args, "--temperature", kChatUsage), topk = take_option(args, "--top-k", kChatUsage),
                       topp = take_option(args, "--top-p", kChatUsage), seed = take_option(args, "--seed", kChatUsage),
                       system = take_option(args, "--system", kChatUsage), trunk = take_option(args, "--trunk", kChatUsage),
-                      effort_arg = take_option(args, "--think-effort", kChatUsage);
+                      effort_arg = take_option(args, "--think-effort", kChatUsage),
+                      speculate_arg = take_option(args, "--speculate", kChatUsage);
     const bool think = take_flag(args, "--think");
     const std::string effort = parse_think_effort(effort_arg, kChatUsage);
     if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kChatUsage);
@@ -96,7 +104,10 @@ inline int cmd_chat(std::vector<std::string> args) {
     sp.temperature = temp.empty() ? 0.0f : parse_real(temp, "--temperature", kChatUsage, 0.0f, 100.0f);
     sp.top_k = topk.empty() ? 0 : int(parse_count(topk, "--top-k", kChatUsage, 1 << 30));
     sp.top_p = topp.empty() ? 1.0f : parse_real(topp, "--top-p", kChatUsage, 0.0f, 1.0f);
-    SplitMix64 rng(seed.empty() ? 0 : std::uint64_t(parse_count(seed, "--seed", kChatUsage)));
+    sp.seed = seed.empty() ? 0 : std::uint64_t(parse_count(seed, "--seed", kChatUsage));
+    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kChatUsage, 32));
+    if (!speculate_arg.empty() && speculate == 0)
+        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kChatUsage);
     const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage, kMaxPositions));
     if (limit == 0) throw Usage(std::string("--max-new must be at least 1\n\n") + kChatUsage);
     const Tokenizer tok = Tokenizer::load(args[0]);
@@ -159,11 +170,14 @@ inline int cmd_chat(std::vector<std::string> args) {
         }
         const auto t0 = std::chrono::steady_clock::now();
         std::vector<std::int64_t> reply;
+        SpeculationStats stats;
         try {
-            reply = chat_turn(model, chat, tok, line, limit, sp, rng, [](const std::string& text) {
+            auto print = [](const std::string& text) {
                 std::fputs(text.c_str(), stdout);
                 std::fflush(stdout);
-            });
+            };
+            reply = speculate ? chat_turn_speculative(model, chat, tok, line, limit, sp, speculate, print, &stats)
+                              : chat_turn(model, chat, tok, line, limit, sp, print);
         } catch (const Error& e) {
             if (e.kind != ErrorKind::usage) throw;  // a failed read is the end (exit 4); a refused turn is not
             std::fprintf(stderr, "(not sent: %s)\n", e.what());
@@ -171,7 +185,11 @@ inline int cmd_chat(std::vector<std::string> args) {
         }
         std::printf("\n");
         std::fflush(stdout);
-        std::fprintf(stderr, "(%zu tokens, %.2f s; %zu in the conversation)\n", reply.size(), seconds_since(t0), chat.session.tokens.size());
+        std::fprintf(stderr, "(%zu tokens, %.2f s; %zu in the conversation", reply.size(), seconds_since(t0), chat.session.tokens.size());
+        if (speculate)
+            std::fprintf(stderr, "; %zu decode steps, %zu drafted, %zu accepted: %.2f tokens per step", stats.steps, stats.drafted,
+                         stats.accepted, stats.tokens_per_step());
+        std::fprintf(stderr, ")\n");
     }
     return kExitOk;
 }
