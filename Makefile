@@ -152,11 +152,13 @@ debug: deps
 	  EXTRA_LD="-fsanitize=address,undefined"
 
 # ---- headers: each chapter compiles alone ----------------------------------------------------------
-headers: deps
-	@for h in $(CHAPTERS) kimik3.hpp; do \
-	  echo "  header $$h"; \
-	  echo "#include \"$$h\"" | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. - || exit 1; \
-	done
+# One stamp per header, so that make -j checks them side by side and again only when a header changed.
+HEADER_OKS := $(patsubst %,$(BUILD)/headers/%.ok,$(CHAPTERS) kimik3.hpp)
+headers: deps $(HEADER_OKS)
+$(BUILD)/headers/%.ok: % $(HEADERS) | deps
+	@echo "  header $<"
+	@echo '#include "$<"' | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. -
+	@mkdir -p $(dir $@) && touch $@
 
 # ---- examples --------------------------------------------------------------------------------------
 $(BUILD)/examples/%: examples/%.cpp $(HEADERS) | deps
