@@ -4,7 +4,7 @@
 #   make run-examples    every chapter's example, in order
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
-#   make test-scalar     the whole suite with every dispatcher forced to the reference path
+#   make test-scalar     the whole suite with every dispatcher forced to the reference path (KIMIK3_SCALAR=1)
 #   make headers         compile each chapter header on its own (chapter N needs only chapters < N)
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
@@ -141,9 +141,11 @@ test-%: deps
 	@$(MAKE) --no-print-directory $(filter $(BUILD)/tests/test_$*_%,$(TEST_BINS))
 	@tests/run.sh $(filter $(BUILD)/tests/test_$*_%,$(TEST_BINS))
 
-# test-scalar: the same suite with KIMIK3_SCALAR: every dispatcher runs the reference path.
+# test-scalar: the same suite, the same binaries, with the environment variable KIMIK3_SCALAR=1: every
+# dispatcher runs the reference path. (A build with the path fixed at compile time:
+# make test VARIANT=-scalar EXTRA=-DKIMIK3_SCALAR.)
 test-scalar: deps
-	@$(MAKE) --no-print-directory test VARIANT=-scalar EXTRA=-DKIMIK3_SCALAR
+	@KIMIK3_SCALAR=1 $(MAKE) --no-print-directory test
 
 # debug: the suite under ASan + UBSan (-O1 keeps it fast enough; frame pointers for readable traces).
 debug: deps
@@ -198,11 +200,13 @@ fuzz: deps fuzz-deps $(FUZZ_BINS)
 	done
 
 # ---- headers: each chapter compiles alone ----------------------------------------------------------
-headers: deps
-	@for h in $(CHAPTERS) kimik3.hpp; do \
-	  echo "  header $$h"; \
-	  echo "#include \"$$h\"" | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. - || exit 1; \
-	done
+# One stamp per header, so that make -j checks them side by side and again only when a header changed.
+HEADER_OKS := $(patsubst %,$(BUILD)/headers/%.ok,$(CHAPTERS) kimik3.hpp)
+headers: deps $(HEADER_OKS)
+$(BUILD)/headers/%.ok: % $(HEADERS) | deps
+	@echo "  header $<"
+	@echo '#include "$<"' | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. -
+	@mkdir -p $(dir $@) && touch $@
 
 # ---- examples --------------------------------------------------------------------------------------
 $(BUILD)/examples/%: examples/%.cpp $(HEADERS) | deps

@@ -169,7 +169,7 @@ inline void require_multiple(const char* where, const char* what, std::size_t va
 // names makes it obvious that none of those appear.
 //
 // KIMIK3_SCALAR does not change the shim (the _simd functions still compile so tests can compare them);
-// it makes every dispatcher pick the _ref function (see `use_simd`).
+// it makes every dispatcher pick the _ref function (see `use_simd`: a build flag or an environment variable).
 namespace simd {
 
 #if XSIMD_WITH_AVX2
@@ -212,11 +212,16 @@ inline u32 as_u32(f32 v) { return xsimd::bitwise_cast<u32>(v); }
 // change of order: the loop body runs in the same sequence either way.
 #define KIMIK3_UNROLL _Pragma("GCC unroll 16")
 
-// Every dispatcher calls this: true unless the build forces the reference path.
+// Every dispatcher reads this: true unless the reference path is forced, at build time (-DKIMIK3_SCALAR)
+// or at run time (the environment variable KIMIK3_SCALAR set to anything but "" or "0", read once at
+// start-up). The run-time switch lets one build check itself: the same binary, both paths, same bits.
 #ifdef KIMIK3_SCALAR
 inline constexpr bool use_simd = false;
 #else
-inline constexpr bool use_simd = true;
+inline const bool use_simd = [] {
+    const char* e = std::getenv("KIMIK3_SCALAR");
+    return e == nullptr || e[0] == '\0' || (e[0] == '0' && e[1] == '\0');
+}();
 #endif
 
 // ---------------------------------------------------------------------------------------------------

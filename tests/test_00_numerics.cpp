@@ -26,6 +26,17 @@ static std::uint16_t bf16_oracle(float x) {
     return std::uint16_t((sign | pick) >> 16);
 }
 
+TEST_CASE("0.4 the reference path is forced by KIMIK3_SCALAR (build flag or environment), and only then") {
+    const char* e = std::getenv("KIMIK3_SCALAR");
+    const bool forced = e != nullptr && std::string(e) != "" && std::string(e) != "0";
+#ifdef KIMIK3_SCALAR
+    CHECK_FALSE(use_simd);
+#else
+    CHECK(use_simd == !forced);  // make test-scalar sets KIMIK3_SCALAR=1: this proves its run took the reference path
+#endif
+    MESSAGE("dispatchers run the " << std::string(use_simd ? "SIMD" : "reference") << " path in this run");
+}
+
 TEST_CASE("0.2 bf16 -> f32 is exact for all 65,536 patterns") {
     for (std::uint32_t b = 0; b < 65536; ++b)
         REQUIRE(std::bit_cast<std::uint32_t>(bf16_to_f32(bf16(b))) == b << 16);

@@ -175,8 +175,8 @@ TEST_CASE("13.3 the invariance gates on the little K3, the odd-width and mixed-d
 
 TEST_CASE("13.3 scalar and SIMD builds give the same logits: a pinned hash both builds must reproduce") {
     // A regression pin made by this engine (not evidence of correctness: that is the reference test
-    // above). make test and make test-scalar build this file with and without SIMD and both compare to
-    // the same value, so a difference between the reference and SIMD paths anywhere in the model fails:
+    // above). make test and make test-scalar run this file with and without SIMD (KIMIK3_SCALAR=1) and both
+    // compare to the same value, so a difference between the reference and SIMD paths anywhere in the model fails:
     // on the tiny and little K3, and on the variants whose every width has a tail or whose matrices are F32/F16.
     for (const std::string rel : {"fixtures/tiny-k3", "fixtures/little-k3", "fixtures/variants/odd-widths", "fixtures/variants/dtypes"}) {
         const std::vector<float> tf = tf_logits(ModelOptions{}, 32, rel);
