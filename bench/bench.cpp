@@ -17,6 +17,7 @@
 #include "../kimik3.hpp"
 #include "../tests/rng.hpp"
 #include "bench_experts.hpp"
+#include "bench_headers.hpp"
 #include "bench_kda.hpp"
 #include "bench_mla.hpp"
 #include "bench_tokenizer.hpp"
@@ -153,7 +154,7 @@ int main(int argc, char** argv) {
         if (a == "--reps" && i + 1 < argc) g_reps = std::max(1, std::atoi(argv[++i]));
         else if (a == "--only" && i + 1 < argc) only = argv[++i];
         else {
-            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4|kda|mla|experts|tokenizer]\n"
+            std::printf("usage: kimik3-bench [--reps N] [--only bf16|mxfp4|kda|mla|experts|tokenizer|headers]\n"
                         "  Measures kernels at Kimi K3's sizes; reports medians of N runs (default 5)\n"
                         "  and ratios to the memory-read bandwidth measured in the same run.\n");
             return a == "--help" || a == "-h" ? 0 : 2;
@@ -180,6 +181,10 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "tokenizer") {
         std::printf("\n14.x tokenizer\n");
         bench_tokenizer(stdout);
+    }
+    if (only.empty() || only == "headers") {
+        std::printf("\n1.3 safetensors headers and the index, parsed and validated from memory\n");
+        bench_headers(stdout, g_reps);
     }
     return 0;
 }

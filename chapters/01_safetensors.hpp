@@ -48,13 +48,18 @@
 //   6. an index maps every name to a shard that exists and whose header holds that name.
 //   Reads are exact: a short read or an I/O error is an Error naming the file, offset and size, never
 //   a partially filled buffer.
+//   Every input is a regular file: a directory, a FIFO (which would block forever) or a device (which
+//   never ends) is refused by name before a byte is read, and whole-file reads have a size cap. Every
+//   JSON text (config, index, headers, tokenizer config, trunk.json) goes through one bounded reader
+//   (1.3): nesting at most 64 deep, no key twice in an object, no NUL byte, numbers that fit a double,
+//   linear time; messages quote at most a few hundred bytes of any input.
 //
 // USES     chapter 00 (Error), nlohmann/json, POSIX open/pread/mmap.
 // RUN      make run-01    (lists the tensors of a file or checkpoint; default: a bundled fixture)
 // TEST     make test-01   (a crafted corpus of broken files, each with its asserted error)
 //
 // SECTIONS
-//   1.1 dtypes         1.2 aligned buffers and exact reads     1.3 the header and its validation
+//   1.1 dtypes         1.2 aligned buffers, exact reads, regular files     1.3 bounded JSON; the header
 //   1.4 one file       1.5 typed views                          1.6 multi-shard checkpoints
 //   1.7 writing a file
 // ====================================================================================================
@@ -68,9 +73,11 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -124,9 +131,13 @@ struct Shape {
         for (auto x : d) dims[std::size_t(rank++)] = x;
     }
     std::int64_t operator[](int i) const { return dims[std::size_t(i)]; }
+    // The element count. A product past 2^63 - 1 is an error, never a wrapped (signed: undefined) value:
+    // headers are checked against this when read, but shapes built from a config are not headers.
     std::int64_t numel() const {
         std::int64_t n = 1;
-        for (int i = 0; i < rank; ++i) n *= dims[std::size_t(i)];
+        for (int i = 0; i < rank; ++i)
+            if (__builtin_mul_overflow(n, dims[std::size_t(i)], &n))
+                fail(ErrorKind::format, "shape " + str() + " has more elements than a 64-bit count holds");
         return n;
     }
     bool operator==(const Shape& o) const {
@@ -204,16 +215,50 @@ inline std::string errno_text(int e) { return std::string(std::strerror(e)); }
 
 // A file that cannot be opened is a refused input (ErrorKind::format: exit code 2 in the CLI), not a
 // failed read: ErrorKind::io is kept for reads that fail once a file is open (exit code 4).
+//
+// Every input this engine reads is a regular file, and only a regular file: a directory reads as an
+// error, a FIFO blocks forever waiting for a writer, and a device such as /dev/zero or /dev/urandom never
+// ends. So open_read refuses anything else by name before a byte is read. The open itself uses
+// O_NONBLOCK, which makes opening a FIFO return at once instead of waiting for a writer (it changes
+// nothing for a regular file, and is cleared again before any read).
+inline const char* file_type_name(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
 inline Fd open_read(const std::string& path, int extra_flags = 0) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra_flags);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | extra_flags);
     if (fd < 0) fail(ErrorKind::format, path + ": cannot open: " + errno_text(errno));
-    return Fd(fd);
+    Fd f(fd);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) fail(ErrorKind::io, path + ": cannot stat: " + errno_text(errno));
+    if (!S_ISREG(st.st_mode)) fail(ErrorKind::format, path + ": is " + file_type_name(st.st_mode) + ", not a regular file");
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) fail(ErrorKind::io, path + ": fcntl failed: " + errno_text(errno));
+    return f;
 }
 
 inline std::uint64_t file_size(int fd, const std::string& path) {
     struct stat st {};
     if (::fstat(fd, &st) != 0) fail(ErrorKind::io, path + ": cannot stat: " + errno_text(errno));
     return std::uint64_t(st.st_size);
+}
+
+// Whether anything is at `path` (a file, a directory, even a dangling or looping symlink). Never throws:
+// std::filesystem::exists throws on a symlink loop, and what is there is open_read's to judge, with a
+// message that names the file.
+inline bool path_present(const std::string& path) {
+    struct stat st {};
+    return ::lstat(path.c_str(), &st) == 0 || (errno != ENOENT && errno != ENOTDIR);
+}
+// Whether `path` is a directory (following symlinks); false for anything else, never throws.
+inline bool is_directory(const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
 namespace detail {
@@ -245,9 +290,232 @@ inline void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t offset, 
     }
 }
 
+// Caps on whole-file reads. Each is far above what Kimi K3's own file needs (in brackets), and far below
+// what would exhaust memory: a text input has no business being gigabytes.
+inline constexpr std::uint64_t kMaxConfigBytes = 16u << 20;       // config.json, tokenizer_config.json (K3: ~5 kB, ~40 kB)
+inline constexpr std::uint64_t kMaxIndexBytes = 1u << 30;         // model.safetensors.index.json (K3: ~60 MB for ~500,000 names)
+inline constexpr std::uint64_t kMaxTokenizerModelBytes = 64u << 20;  // tiktoken.model (K3: 2.8 MB)
+
+// A whole small file read into memory, refused when it holds more than `cap` bytes. `what` names the
+// kind of file in the message ("config.json").
+inline std::string read_file_capped(const std::string& path, std::uint64_t cap, const char* what) {
+    Fd fd = open_read(path);
+    const std::uint64_t n = file_size(fd.get(), path);
+    if (n > cap)
+        fail(ErrorKind::format, path + ": is " + std::to_string(n) + " bytes, more than the " + std::to_string(cap) + " a " + what +
+                                    " may hold");
+    std::string text(std::size_t(n), '\0');
+    pread_exact(fd.get(), text.data(), text.size(), 0, path);
+    return text;
+}
+
 // ---------------------------------------------------------------------------------------------------
-// 1.3 The header and its validation
+// 1.3 JSON read with bounds; the header and its validation
 // ---------------------------------------------------------------------------------------------------
+// Every JSON text the engine reads (config.json, the index, each safetensors header, tokenizer_config.json,
+// trunk.json) goes through one reader, parse_json, with bounds that a hostile file cannot get past:
+//   * nesting of at most kMaxJsonDepth (64) levels. K3's deepest file nests 6. Without a bound, a
+//     100,000-deep `[[[...]]]` parses (nlohmann's parser is iterative) but every later recursive walk of
+//     the value, such as printing it into an error message, overflows the stack;
+//   * no key twice in one object (nlohmann and Python's json both keep the last one silently, so a
+//     duplicate can hide a value from one reader and not another); no NUL byte (nlohmann stops reading
+//     at one, ignoring whatever follows it); and every number must fit a double (1e400 is refused, not
+//     read as infinity);
+//   * one pass, linear in the text: nlohmann's SAX parser drives a small builder written here.
+//     nlohmann's callback parser (json::parse with a callback, used here before) rescans the parent
+//     object after every member, so a header of 100,000 tensors took minutes.
+// A message names the file, the byte or JSON path, and quotes at most a few dozen characters of the
+// input (json_excerpt): a bad value can be megabytes long.
+inline constexpr std::size_t kMaxJsonDepth = 64;
+
+namespace detail {
+inline void json_excerpt_into(std::string& out, const nlohmann::json& v, std::size_t max, int depth) {
+    using nlohmann::json;
+    auto text = [](const std::string& s, std::size_t n) {  // a string literal, cut to n bytes (invalid UTF-8 replaced)
+        return json(s.substr(0, n)).dump(-1, ' ', false, json::error_handler_t::replace);
+    };
+    if (out.size() > max) return;
+    if (depth > 8) {
+        out += "...";
+    } else if (v.is_object()) {
+        out += '{';
+        for (auto it = v.begin(); it != v.end() && out.size() <= max; ++it) {
+            if (it != v.begin()) out += ',';
+            out += text(it.key(), max) + ':';
+            json_excerpt_into(out, it.value(), max, depth + 1);
+        }
+        out += '}';
+    } else if (v.is_array()) {
+        out += '[';
+        for (std::size_t i = 0; i < v.size() && out.size() <= max; ++i) {
+            if (i) out += ',';
+            json_excerpt_into(out, v[i], max, depth + 1);
+        }
+        out += ']';
+    } else if (v.is_string()) {
+        out += text(v.get_ref<const std::string&>(), max + 1);
+    } else {
+        out += v.dump();
+    }
+}
+}  // namespace detail
+
+// A name or text for a message: at most `max` bytes, then "..." (a hostile name can be megabytes long).
+inline std::string clipped(const std::string& s, std::size_t max = 200) { return s.size() > max ? s.substr(0, max) + "..." : s; }
+
+// At most `max` characters of a value as JSON text, then "..." when it was longer: what a message quotes.
+inline std::string json_excerpt(const nlohmann::json& v, std::size_t max = 60) {
+    std::string out;
+    detail::json_excerpt_into(out, v, max, 0);
+    if (out.size() > max) out.resize(max), out += "...";
+    return out;
+}
+
+namespace detail {
+// Builds a value from nlohmann's SAX events with the bounds above. With `on_member` set, the text must be
+// one object whose members are handed over one at a time as each is complete and then dropped, so memory
+// is one member's whatever the number of members (a safetensors header).
+class JsonBuilder {
+  public:
+    using json = nlohmann::json;
+    using OnMember = std::function<void(const std::string& key, json& value)>;
+
+    JsonBuilder(const std::string& source, std::size_t max_depth, OnMember on_member)
+        : source_(source), max_depth_(max_depth), on_member_(std::move(on_member)) {}
+
+    bool null() { return put(json(nullptr)); }
+    bool boolean(bool b) { return put(json(b)); }
+    bool number_integer(std::int64_t v) { return put(json(v)); }
+    bool number_unsigned(std::uint64_t v) { return put(json(v)); }
+    bool number_float(double v, const std::string&) { return put(json(v)); }
+    bool string(std::string& s) { return put(json(std::move(s))); }
+    bool binary(json::binary_t&) { return refuse("a binary value"); }
+    bool start_object(std::size_t) { return open(json::object()); }
+    bool start_array(std::size_t) { return open(json::array()); }
+    bool end_object() { return close(); }
+    bool end_array() { return close(); }
+    bool key(std::string& k) {
+        Level& top = levels_.back();
+        if (streaming_root() ? !root_keys_.insert(k).second : top.value->contains(k)) {
+            const std::string where = levels_.size() == 1 ? "the top-level object" : "the object " + path(levels_.size() - 1);
+            error_ = source_ + ": key '" + clip(k) + "' appears twice in " + where;
+            return false;
+        }
+        top.key = std::move(k);
+        return true;
+    }
+    bool parse_error(std::size_t position, const std::string& last_token, const nlohmann::detail::exception& ex) {
+        if (!error_.empty()) return false;  // our own refusal came first
+        if (ex.id == 406)  // out_of_range.406: a number that does not fit a double
+            error_ = source_ + ": byte " + std::to_string(position) + ": the number " + json_excerpt(json(last_token), 40) +
+                     " is out of range (more than a double holds)";
+        else {
+            std::string what = ex.what();  // "[json.exception.parse_error.101] parse error at line 1, column 2: ..."
+            if (const std::size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
+            if (what.size() > 200) what = what.substr(0, 200) + "...";
+            error_ = source_ + ": not valid JSON: " + what;
+        }
+        return false;
+    }
+
+    const std::string& error() const { return error_; }
+    json& root() { return root_; }
+
+  private:
+    struct Level {
+        json* value;         // the open object or array
+        std::string key;     // objects: the key of the member being read
+    };
+    bool streaming_root() const { return on_member_ && levels_.size() == 1; }
+    static std::string clip(const std::string& k) { return k.size() > 60 ? k.substr(0, 60) + "..." : k; }
+    // The JSON path of the value being read (the first `upto` levels), e.g. `text_config.kda_layers[3]`.
+    // An array with an open child names that child (its last element); the innermost names the next one.
+    std::string path(std::size_t upto = SIZE_MAX) const {
+        std::string p;
+        for (std::size_t i = 0; i < levels_.size() && i < upto; ++i) {
+            const Level& l = levels_[i];
+            if (l.value->is_array()) p += "[" + std::to_string(l.value->size() - (i + 1 < levels_.size() ? 1 : 0)) + "]";
+            else p += (p.empty() ? "" : ".") + clip(l.key);
+        }
+        return p.empty() ? "the top level" : p;
+    }
+    bool refuse(const std::string& what) {
+        if (error_.empty()) error_ = source_ + ": " + path() + ": " + what;
+        return false;
+    }
+    // Where a new value goes: the root, the member being streamed, or inside the innermost open value.
+    json* place(json&& v) {
+        if (levels_.empty()) return &(root_ = std::move(v));
+        if (streaming_root()) return &(member_ = std::move(v));
+        Level& top = levels_.back();
+        if (top.value->is_array()) {
+            top.value->push_back(std::move(v));
+            return &top.value->back();
+        }
+        return &((*top.value)[top.key] = std::move(v));
+    }
+    bool put(json&& v) {
+        if (on_member_ && levels_.empty()) return refuse("is not a JSON object");
+        place(std::move(v));
+        if (streaming_root()) hand_over();
+        return true;
+    }
+    bool open(json&& container) {
+        if (levels_.size() >= max_depth_) return refuse("nested more than " + std::to_string(max_depth_) + " levels deep");
+        if (on_member_ && levels_.empty() && !container.is_object()) return refuse("is not a JSON object");
+        json* c = nullptr;
+        if (on_member_ && levels_.empty()) c = &(root_ = json::object());  // streamed: the top level keeps nothing
+        else c = place(std::move(container));
+        levels_.push_back({c, {}});
+        return true;
+    }
+    bool close() {
+        levels_.pop_back();
+        if (streaming_root()) hand_over();
+        return true;
+    }
+    void hand_over() {
+        on_member_(levels_.back().key, member_);
+        member_ = json();
+    }
+
+    const std::string& source_;
+    std::size_t max_depth_;
+    OnMember on_member_;
+    json root_, member_;
+    std::vector<Level> levels_;
+    std::set<std::string> root_keys_;  // streaming: the keys seen at the top level
+    std::string error_;
+};
+
+inline void run_json_builder(std::string_view text, const std::string& source, JsonBuilder& b) {
+    if (const std::size_t z = text.find('\0'); z != std::string_view::npos)
+        fail(ErrorKind::format, source + ": byte " + std::to_string(z) + " is a NUL byte, which JSON text never holds");
+    const bool ok = nlohmann::json::sax_parse(text.begin(), text.end(), &b);
+    if (!ok || !b.error().empty()) fail(ErrorKind::format, b.error().empty() ? source + ": not valid JSON" : b.error());
+}
+}  // namespace detail
+
+// A JSON text as a value, within the bounds above. `source` names the file in messages.
+inline nlohmann::json parse_json(std::string_view text, const std::string& source, std::size_t max_depth = kMaxJsonDepth) {
+    detail::JsonBuilder b(source, max_depth, {});
+    detail::run_json_builder(text, source, b);
+    return std::move(b.root());
+}
+
+// The members of a JSON text that must be one object, handed to `f(key, value)` one at a time in file
+// order and not kept: memory is one member's, whatever the number of members.
+inline void for_each_json_member(std::string_view text, const std::string& source,
+                                 const std::function<void(const std::string&, nlohmann::json&)>& f, std::size_t max_depth = kMaxJsonDepth) {
+    detail::JsonBuilder b(source, max_depth, f);
+    detail::run_json_builder(text, source, b);
+}
+
+// A small JSON file: read_file_capped, then parse_json.
+inline nlohmann::json read_json_file(const std::string& path, std::uint64_t cap, const char* what) {
+    return parse_json(read_file_capped(path, cap, what), path);
+}
+
 struct TensorInfo {
     std::string name;
     DType dtype = DType::U8;
@@ -275,42 +543,27 @@ inline Header parse_header(const std::string& text, const std::string& path, std
     auto bad_field = [&](const std::string& tensor, const char* field, const std::string& what) {
         fail(ErrorKind::format, path + ": tensor '" + tensor + "': field '" + field + "': " + what);
     };
+    auto x = [](const json& v) { return json_excerpt(v); };  // what a message quotes of a value
     if (text.empty() || text[0] != '{') bad("header does not start with '{'");
 
-    // nlohmann keeps the last of two equal keys silently; a parser callback sees every top-level key
-    // and lets us refuse the duplicate instead.
-    std::set<std::string> seen;
-    std::string duplicate;
-    json h;
-    try {
-        h = json::parse(text, [&](int depth, json::parse_event_t ev, json& parsed) {
-            if (ev == json::parse_event_t::key && depth == 1) {
-                const std::string& k = parsed.get_ref<const std::string&>();
-                if (!seen.insert(k).second && duplicate.empty()) duplicate = k;
-            }
-            return true;
-        });
-    } catch (const json::parse_error& e) {
-        bad("header is not valid JSON (byte " + std::to_string(e.byte) + "): " + e.what());
-    }
-    if (!duplicate.empty()) bad("tensor '" + duplicate + "' appears twice in the header");
-    if (!h.is_object()) bad("header is not a JSON object");
-
+    // One pass over the members (linear time, one entry in memory at a time); the reader refuses a name
+    // given twice, nesting deeper than kMaxJsonDepth, NUL bytes and numbers out of range.
     Header out;
-    for (auto it = h.begin(); it != h.end(); ++it) {
-        const std::string& name = it.key();
-        const json& v = it.value();
-        if (name == "__metadata__") {
+    auto clip = [](const std::string& name) { return clipped(name); };
+    for_each_json_member(text, path, [&](const std::string& key, json& entry) {
+        const json& v = entry;
+        const std::string name = clip(key);
+        if (key == "__metadata__") {
             if (!v.is_object()) bad("'__metadata__' is not an object");
             for (auto m = v.begin(); m != v.end(); ++m) {
-                if (!m.value().is_string()) bad("'__metadata__' value of '" + m.key() + "' is not a string");
+                if (!m.value().is_string()) bad("'__metadata__' value of '" + clip(m.key()) + "' is not a string");
                 out.metadata[m.key()] = m.value().get<std::string>();
             }
-            continue;
+            return;
         }
         if (!v.is_object()) bad("tensor '" + name + "': entry is not an object");
         TensorInfo t;
-        t.name = name;
+        t.name = key;
         // dtype
         if (!v.contains("dtype") || !v["dtype"].is_string()) bad_field(name, "dtype", "missing or not a string");
         const std::string ds = v["dtype"].get<std::string>();
@@ -323,35 +576,35 @@ inline Header parse_header(const std::string& text, const std::string& path, std
             bad_field(name, "shape", "rank " + std::to_string(sh.size()) + " is more than 8");
         std::uint64_t numel = 1;
         for (const json& d : sh) {
-            if (!d.is_number_integer()) bad_field(name, "shape", "dimension " + d.dump() + " is not an integer");
+            if (!d.is_number_integer()) bad_field(name, "shape", "dimension " + x(d) + " is not an integer");
             if (d.is_number_integer() && !d.is_number_unsigned() && d.get<std::int64_t>() < 0)
-                bad_field(name, "shape", "dimension " + d.dump() + " is negative");
-            const std::uint64_t x = d.get<std::uint64_t>();
-            if (x > std::uint64_t(INT64_MAX) || __builtin_mul_overflow(numel, x, &numel))
-                bad_field(name, "shape", sh.dump() + " overflows a 64-bit element count");
-            t.shape.dims[std::size_t(t.shape.rank++)] = std::int64_t(x);
+                bad_field(name, "shape", "dimension " + x(d) + " is negative");
+            const std::uint64_t n = d.get<std::uint64_t>();
+            if (n > std::uint64_t(INT64_MAX) || __builtin_mul_overflow(numel, n, &numel) || numel > std::uint64_t(INT64_MAX))
+                bad_field(name, "shape", x(sh) + " overflows a 64-bit element count");
+            t.shape.dims[std::size_t(t.shape.rank++)] = std::int64_t(n);
         }
         std::uint64_t need = 0;
         if (__builtin_mul_overflow(numel, std::uint64_t(dtype_size(t.dtype)), &need))
-            bad_field(name, "shape", sh.dump() + " of " + ds + " overflows a 64-bit byte count");
+            bad_field(name, "shape", x(sh) + " of " + ds + " overflows a 64-bit byte count");
         // data_offsets
         if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
             bad_field(name, "data_offsets", "missing or not a pair [begin, end]");
         const json& off = v["data_offsets"];
         for (const json& o : off)
-            if (!o.is_number_unsigned()) bad_field(name, "data_offsets", off.dump() + " is not two non-negative integers");
+            if (!o.is_number_unsigned()) bad_field(name, "data_offsets", x(off) + " is not two non-negative integers");
         t.begin = off[0].get<std::uint64_t>();
         t.end = off[1].get<std::uint64_t>();
-        if (t.begin > t.end) bad_field(name, "data_offsets", off.dump() + " has begin > end");
+        if (t.begin > t.end) bad_field(name, "data_offsets", x(off) + " has begin > end");
         if (t.end > data_size)
-            bad_field(name, "data_offsets", off.dump() + " ends past the data section (" + std::to_string(data_size) +
+            bad_field(name, "data_offsets", x(off) + " ends past the data section (" + std::to_string(data_size) +
                                                  " bytes): the file is truncated or the offsets are wrong");
         if (t.end - t.begin != need)
-            bad_field(name, "data_offsets", off.dump() + " holds " + std::to_string(t.end - t.begin) +
-                                                 " bytes but shape " + sh.dump() + " of " + ds + " needs " +
+            bad_field(name, "data_offsets", x(off) + " holds " + std::to_string(t.end - t.begin) +
+                                                 " bytes but shape " + x(sh) + " of " + ds + " needs " +
                                                  std::to_string(need));
         out.tensors.push_back(std::move(t));
-    }
+    });
     // No overlaps: sorted by begin, each non-empty range must start at or after the previous end.
     std::sort(out.tensors.begin(), out.tensors.end(),
               [](const TensorInfo& a, const TensorInfo& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
@@ -359,8 +612,8 @@ inline Header parse_header(const std::string& text, const std::string& path, std
     for (const TensorInfo& t : out.tensors) {
         if (t.begin == t.end) continue;  // empty tensors occupy no bytes
         if (prev && t.begin < prev->end)
-            bad_field(t.name, "data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                                                  "] overlaps tensor '" + prev->name + "' [" + std::to_string(prev->begin) +
+            bad_field(clip(t.name), "data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                                                  "] overlaps tensor '" + clip(prev->name) + "' [" + std::to_string(prev->begin) +
                                                   ", " + std::to_string(prev->end) + "]");
         prev = &t;
     }
@@ -504,7 +757,9 @@ inline std::vector<float> to_f32(const Tensor& t) {
         case DType::F16:
             for (std::size_t i = 0; i < n; ++i) out[i] = f16_to_f32(reinterpret_cast<const std::uint16_t*>(p)[i]);
             break;
-        case DType::F32: std::memcpy(out.data(), p, n * 4); break;
+        case DType::F32:
+            if (n) std::memcpy(out.data(), p, n * 4);  // an empty vector's data() may be null: no memcpy at all
+            break;
         case DType::F64:
             for (std::size_t i = 0; i < n; ++i) out[i] = float(reinterpret_cast<const double*>(p)[i]);
             break;
@@ -512,6 +767,40 @@ inline std::vector<float> to_f32(const Tensor& t) {
             fail(ErrorKind::format, "tensor '" + t.info.name + "': dtype " + dtype_name(t.info.dtype) + " is not a float type");
     }
     return out;
+}
+
+// Refuses a floating-point tensor holding a NaN or an infinity, naming the tensor and the first such
+// element (integer dtypes pass). For the small tensors a model keeps in memory (norms, biases, decay
+// parameters): one of them non-finite would make every token's output NaN, or, for a router bias,
+// silently pick the same expert forever.
+inline void require_finite(const TensorInfo& t, const std::byte* bytes) {
+    const std::size_t n = std::size_t(t.numel());
+    auto bits16 = [&](std::size_t i) {
+        std::uint16_t u;
+        std::memcpy(&u, bytes + 2 * i, 2);
+        return u;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+        bool finite = true;
+        switch (t.dtype) {
+            case DType::BF16: finite = (bits16(i) & 0x7F80u) != 0x7F80u; break;  // exponent all ones: Inf or NaN
+            case DType::F16: finite = (bits16(i) & 0x7C00u) != 0x7C00u; break;
+            case DType::F32: {
+                float f;
+                std::memcpy(&f, bytes + 4 * i, 4);
+                finite = std::isfinite(f);
+                break;
+            }
+            case DType::F64: {
+                double d;
+                std::memcpy(&d, bytes + 8 * i, 8);
+                finite = std::isfinite(d);
+                break;
+            }
+            default: return;
+        }
+        if (!finite) fail(ErrorKind::format, "tensor '" + clipped(t.name) + "': element " + std::to_string(i) + " is not finite (NaN or Inf)");
+    }
 }
 
 // Any integer tensor widened to int64 (token ids, expert ids).
@@ -535,6 +824,26 @@ inline std::vector<std::int64_t> to_i64(const Tensor& t) {
 // ---------------------------------------------------------------------------------------------------
 // 1.6 Multi-shard checkpoints
 // ---------------------------------------------------------------------------------------------------
+// The index's "weight_map" as (tensor name, shard file name) pairs, in file order. Each file name must
+// be a plain name in the checkpoint's directory: not empty, no '/', not "." or "..".
+inline std::vector<std::pair<std::string, std::string>> parse_index(std::string_view text, const std::string& index_path) {
+    using nlohmann::json;
+    const json idx = parse_json(text, index_path);
+    if (!idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object())
+        fail(ErrorKind::format, index_path + ": field 'weight_map' is missing or not an object");
+    std::vector<std::pair<std::string, std::string>> out;
+    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
+        const std::string name = clipped(it.key());
+        if (!it.value().is_string())
+            fail(ErrorKind::format, index_path + ": weight_map['" + name + "'] = " + json_excerpt(it.value()) + " is not a file name");
+        const std::string& file = it.value().get_ref<const std::string&>();
+        if (file.find('/') != std::string::npos || file == ".." || file == "." || file.empty())
+            fail(ErrorKind::format, index_path + ": weight_map['" + name + "'] = " + json_excerpt(it.value()) + " is not a plain file name");
+        out.emplace_back(it.key(), file);
+    }
+    return out;
+}
+
 // A directory with `model.safetensors.index.json` (the release) or a single `model.safetensors`.
 // Each shard is opened and validated once; every tensor is then found by name in O(1).
 class Checkpoint {
@@ -545,14 +854,13 @@ class Checkpoint {
     };
 
     explicit Checkpoint(const std::string& dir) : dir_(dir) {
-        namespace fs = std::filesystem;
         const std::string index_path = dir + "/model.safetensors.index.json";
-        if (fs::exists(index_path)) {
+        if (path_present(index_path)) {
             load_index(index_path);
-        } else if (fs::exists(dir + "/model.safetensors")) {
+        } else if (path_present(dir + "/model.safetensors")) {
             shards_.push_back(std::make_unique<SafetensorsFile>(dir + "/model.safetensors"));
             for (const TensorInfo& t : shards_[0]->tensors()) refs_.emplace(t.name, Ref{shards_[0].get(), &t});
-        } else if (!fs::is_directory(dir)) {
+        } else if (!is_directory(dir)) {
             fail(ErrorKind::format, dir + ": not a directory");
         } else {
             fail(ErrorKind::format, dir + ": neither model.safetensors.index.json nor model.safetensors is here");
@@ -581,41 +889,20 @@ class Checkpoint {
 
   private:
     void load_index(const std::string& index_path) {
-        using nlohmann::json;
-        std::string text;
-        {
-            Fd fd = open_read(index_path);
-            const std::uint64_t n = file_size(fd.get(), index_path);
-            text.resize(std::size_t(n));
-            pread_exact(fd.get(), text.data(), std::size_t(n), 0, index_path);
-        }
-        json idx;
-        try {
-            idx = json::parse(text);
-        } catch (const json::parse_error& e) {
-            fail(ErrorKind::format, index_path + ": not valid JSON: " + e.what());
-        }
-        if (!idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object())
-            fail(ErrorKind::format, index_path + ": field 'weight_map' is missing or not an object");
         std::map<std::string, SafetensorsFile*> by_file;
-        for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
-            if (!it.value().is_string())
-                fail(ErrorKind::format, index_path + ": weight_map['" + it.key() + "'] is not a file name");
-            const std::string file = it.value().get<std::string>();
-            if (file.find('/') != std::string::npos || file == ".." || file.empty())
-                fail(ErrorKind::format, index_path + ": weight_map['" + it.key() + "'] = '" + file + "' is not a plain file name");
+        for (const auto& [name, file] : parse_index(read_file_capped(index_path, kMaxIndexBytes, "safetensors index"), index_path)) {
             auto f = by_file.find(file);
             if (f == by_file.end()) {
                 const std::string path = dir_ + "/" + file;
-                if (!std::filesystem::exists(path))
-                    fail(ErrorKind::format, index_path + ": weight_map maps '" + it.key() + "' to '" + file + "', which does not exist");
+                if (!path_present(path))
+                    fail(ErrorKind::format, index_path + ": weight_map maps '" + clipped(name) + "' to '" + clipped(file) + "', which does not exist");
                 shards_.push_back(std::make_unique<SafetensorsFile>(path));
                 f = by_file.emplace(file, shards_.back().get()).first;
             }
-            const TensorInfo* t = f->second->find(it.key());
+            const TensorInfo* t = f->second->find(name);
             if (!t)
-                fail(ErrorKind::format, index_path + ": weight_map maps '" + it.key() + "' to '" + file + "', whose header has no such tensor");
-            refs_.emplace(it.key(), Ref{f->second, t});
+                fail(ErrorKind::format, index_path + ": weight_map maps '" + clipped(name) + "' to '" + clipped(file) + "', whose header has no such tensor");
+            refs_.emplace(name, Ref{f->second, t});
         }
     }
 
@@ -729,11 +1016,19 @@ class SafetensorsWriter {
             ::unlink(tmp.c_str());
             fail(ErrorKind::runtime, tmp + ": close failed");
         }
-        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            const int err = errno;
+            ::unlink(tmp.c_str());
+            fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(err));
+        }
     }
 
     // Any small text file (JSON next to the weights), written the same atomic way.
+    // Nothing is left behind when it fails: not the file, not NAME.tmp (an empty name or a directory is
+    // refused before anything is created).
     static void write_text_atomic(const std::string& path, const std::string& text) {
+        if (path.empty()) fail(ErrorKind::runtime, "cannot write a file with an empty name");
+        if (is_directory(path)) fail(ErrorKind::runtime, path + ": is a directory");
         const std::string tmp = path + ".tmp";
         {
             std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
@@ -747,7 +1042,11 @@ class SafetensorsWriter {
                 fail(ErrorKind::runtime, tmp + ": write failed: " + errno_text(err));
             }
         }
-        if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(errno));
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            const int err = errno;
+            std::remove(tmp.c_str());
+            fail(ErrorKind::runtime, path + ": rename failed: " + errno_text(err));
+        }
     }
 
   private:

@@ -22,8 +22,13 @@
 //
 // CONTRACT
 //   * A missing or mistyped field is an error; all problems are reported together, each with its JSON
-//     path ("text_config.linear_attn_config.kda_layers: ..."). Nothing is defaulted except where Moonshot's
-//     code defines it (an explicit null activation_situ_beta is 1.0; a null linear beta is the identity).
+//     path ("text_config.linear_attn_config.kda_layers: ..."): the first 20, then how many more. Nothing
+//     is defaulted except where Moonshot's code defines it (an explicit null activation_situ_beta is 1.0;
+//     a null linear beta is the identity).
+//   * config.json is read through chapter 01's bounded reader (a regular file of at most 16 MiB, JSON
+//     nested at most 64 deep, no duplicate keys); counts are capped at sane multiples of K3 (1,024
+//     layers, 2^20 for every width and count), numbers must fit a float, and values that cannot be
+//     right are refused (rms_norm_eps above 0.01, a non-positive SiTU beta or routed_scaling_factor).
 //   * What Moonshot's code runs, this chapter accepts: top-1 routing, `moe_renormalize: false`,
 //     `latent_moe_use_norm: false`, KDA with more heads than head_dim, any width (the kernels finish the
 //     last n % 16 elements in plain code), BF16, F16 or F32 for any dense tensor. Options of Moonshot's
@@ -49,8 +54,10 @@
 // ====================================================================================================
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -136,6 +143,12 @@ struct Config {
 // ---------------------------------------------------------------------------------------------------
 // 2.2 Reading config.json
 // ---------------------------------------------------------------------------------------------------
+// Caps on counts: sane multiples of Kimi K3 (93 layers; its largest width is the vocabulary, 163,840),
+// so that nothing derived from a config (the schedule, a census, a plan, a message) can exhaust memory or
+// overflow an int. A config past them is refused, naming the field.
+inline constexpr int kMaxLayers = 1024;    // num_hidden_layers, and the length of a layer list
+inline constexpr int kMaxWidth = 1 << 20;  // every width, head count and expert count (1,048,576)
+
 // A reader that never throws on the first problem: each accessor records what is wrong at which JSON
 // path and returns a harmless value, so one run lists everything.
 namespace detail {
@@ -143,6 +156,7 @@ namespace detail {
 struct ConfigReader {
     std::vector<std::string> problems;
     std::set<std::string> failed;  // keys already reported missing or mistyped
+    static std::string x(const nlohmann::json& v) { return json_excerpt(v); }  // what a message quotes
 
     void bad(const std::string& path, const std::string& key, const std::string& what) {
         problems.push_back(path + key + what);
@@ -156,13 +170,14 @@ struct ConfigReader {
         }
         return &obj[key];
     }
-    int integer(const nlohmann::json& obj, const std::string& path, const std::string& key, int min = 1) {
+    int integer(const nlohmann::json& obj, const std::string& path, const std::string& key, int min = 1, int max = kMaxWidth) {
         const nlohmann::json* v = find(obj, path, key);
         if (!v) return min;
-        if (!v->is_number_integer()) return bad(path, key, ": " + v->dump() + " is not an integer"), min;
-        const std::int64_t x = v->get<std::int64_t>();
-        if (x < min || x > (1 << 30)) return bad(path, key, ": " + v->dump() + " is out of range"), min;
-        return int(x);
+        if (!v->is_number_integer()) return bad(path, key, ": " + x(*v) + " is not an integer"), min;
+        if (v->is_number_unsigned() ? v->get<std::uint64_t>() > std::uint64_t(max) : v->get<std::int64_t>() > max)
+            return bad(path, key, ": " + x(*v) + " is more than " + std::to_string(max)), min;
+        if (v->get<std::int64_t>() < min) return bad(path, key, ": " + x(*v) + " is less than " + std::to_string(min)), min;
+        return int(v->get<std::int64_t>());
     }
     // A number; `null` is accepted only when the caller passes a value for it (Moonshot's defaults).
     float number(const nlohmann::json& obj, const std::string& path, const std::string& key,
@@ -170,31 +185,36 @@ struct ConfigReader {
         const nlohmann::json* v = find(obj, path, key);
         if (!v) return 0;
         if (v->is_null() && if_null) return *if_null;
-        if (!v->is_number()) return bad(path, key, ": " + v->dump() + " is not a number"), 0.0f;
-        return v->get<float>();
+        if (!v->is_number()) return bad(path, key, ": " + x(*v) + " is not a number"), 0.0f;
+        const double d = v->get<double>();  // converted only once it is known to fit (a double past FLT_MAX is undefined)
+        if (!(std::fabs(d) <= double(std::numeric_limits<float>::max())))
+            return bad(path, key, ": " + x(*v) + " does not fit a 32-bit float"), 0.0f;
+        return float(d);
     }
     bool boolean(const nlohmann::json& obj, const std::string& path, const std::string& key) {
         const nlohmann::json* v = find(obj, path, key);
         if (!v) return false;
-        if (!v->is_boolean()) return bad(path, key, ": " + v->dump() + " is not true/false"), false;
+        if (!v->is_boolean()) return bad(path, key, ": " + x(*v) + " is not true/false"), false;
         return v->get<bool>();
     }
     std::string string(const nlohmann::json& obj, const std::string& path, const std::string& key) {
         const nlohmann::json* v = find(obj, path, key);
         if (!v) return "";
-        if (!v->is_string()) return bad(path, key, ": " + v->dump() + " is not a string"), "";
+        if (!v->is_string()) return bad(path, key, ": " + x(*v) + " is not a string"), "";
         return v->get<std::string>();
     }
     std::vector<int> int_list(const nlohmann::json& obj, const std::string& path, const std::string& key) {
         const nlohmann::json* v = find(obj, path, key);
         std::vector<int> out;
         if (!v) return out;
-        if (!v->is_array()) return bad(path, key, ": " + v->dump() + " is not a list"), out;
-        for (const auto& x : *v) {
-            if (!x.is_number_integer()) return bad(path, key, ": element " + x.dump() + " is not an integer"), out;
-            const std::int64_t i = x.get<std::int64_t>();
-            if (i < -(1 << 30) || i > (1 << 30)) return bad(path, key, ": element " + x.dump() + " is out of range"), out;
-            out.push_back(int(i));
+        if (!v->is_array()) return bad(path, key, ": " + x(*v) + " is not a list"), out;
+        if (v->size() > std::size_t(kMaxLayers))
+            return bad(path, key, ": " + std::to_string(v->size()) + " elements, more than " + std::to_string(kMaxLayers)), out;
+        for (const auto& e : *v) {
+            if (!e.is_number_integer()) return bad(path, key, ": element " + x(e) + " is not an integer"), out;
+            if (e.is_number_unsigned() ? e.get<std::uint64_t>() > (1u << 30) : e.get<std::int64_t>() < -(1 << 30) || e.get<std::int64_t>() > (1 << 30))
+                return bad(path, key, ": element " + x(e) + " is out of range"), out;
+            out.push_back(int(e.get<std::int64_t>()));
         }
         return out;
     }
@@ -214,10 +234,19 @@ inline std::string number_str(double v) {
     return buf;
 }
 
+// "[1,2,3]"; a long list names its first 10 elements and how many more there are.
 inline std::string list_str(const std::vector<int>& v) {
     std::string s = "[";
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
-    return s + "]";
+    for (std::size_t i = 0; i < v.size() && i < 10; ++i) s += (i ? "," : "") + std::to_string(v[i]);
+    return s + (v.size() > 10 ? ", and " + std::to_string(v.size() - 10) + " more]" : "]");
+}
+
+// The message of a refusal: the first `shown` problems, then how many more there are.
+inline std::string problem_list(const std::string& head, const std::vector<std::string>& problems, std::size_t shown = 20) {
+    std::string msg = head + " (" + std::to_string(problems.size()) + " problem" + (problems.size() > 1 ? "s" : "") + "):";
+    for (std::size_t i = 0; i < problems.size() && i < shown; ++i) msg += "\n  - " + problems[i];
+    if (problems.size() > shown) msg += "\n  - and " + std::to_string(problems.size() - shown) + " more";
+    return msg;
 }
 
 }  // namespace detail
@@ -247,8 +276,9 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
             if (!o->contains(key) || (*o)[key].is_null()) continue;
             const nlohmann::json& v = (*o)[key];
             const std::string where = (o == &root ? std::string() : tp) + key;
-            if (!v.is_number_integer()) r.problems.push_back(where + ": " + v.dump() + " is not an integer");
-            else if (v.get<std::int64_t>() < 0) r.problems.push_back(where + ": " + v.dump() + " is negative");
+            if (!v.is_number_integer()) r.problems.push_back(where + ": " + r.x(v) + " is not an integer");
+            else if (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(INT64_MAX)) r.problems.push_back(where + ": " + r.x(v) + " is out of range");
+            else if (v.get<std::int64_t>() < 0) r.problems.push_back(where + ": " + r.x(v) + " is negative");
             else if (id < 0) id = v.get<std::int64_t>();
         }
         return id;
@@ -258,7 +288,7 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     c.pad_token_id = token_id("pad_token_id");
 
     c.hidden_size = r.integer(t, tp, "hidden_size");
-    c.num_hidden_layers = r.integer(t, tp, "num_hidden_layers");
+    c.num_hidden_layers = r.integer(t, tp, "num_hidden_layers", 1, kMaxLayers);
     c.vocab_size = r.integer(t, tp, "vocab_size");
     c.rms_norm_eps = r.number(t, tp, "rms_norm_eps");
     c.num_attention_heads = r.integer(t, tp, "num_attention_heads");
@@ -403,7 +433,8 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
             if (ok && q->contains("config_groups") && (*q)["config_groups"].is_object())
                 for (const auto& [g, grp] : (*q)["config_groups"].items()) {
                     const nlohmann::json w = grp.value("weights", nlohmann::json::object());
-                    r.require(w.value("num_bits", 0) == 4 && w.value("type", "") == "float" && w.value("group_size", 0) == 32,
+                    auto field = [&](const char* k) { return w.is_object() && w.contains(k) ? w[k] : nlohmann::json(); };  // compared as JSON: no conversion
+                    r.require(field("num_bits") == 4 && field("type") == "float" && field("group_size") == 32,
                               qp + "config_groups." + g + ".weights: expected 4-bit float, group_size 32 (MXFP4)");
                     r.require(!grp.contains("input_activations") || grp["input_activations"].is_null(),
                               qp + "config_groups." + g + ".input_activations: activation quantization is not implemented");
@@ -412,12 +443,25 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
             r.problems.push_back(tp + "quantization_config: malformed (" + e.what() + ")");
         }
     }
-    if (!r.problems.empty()) {
-        std::string msg = source + ": the config is refused (" + std::to_string(r.problems.size()) + " problem" +
-                          (r.problems.size() > 1 ? "s" : "") + "):";
-        for (const std::string& p : r.problems) msg += "\n  - " + p;
-        fail(ErrorKind::format, msg);
+    // values that read well but cannot be right: each would run and compute nonsense
+    {
+        auto given = [&](const char* key) { return t.contains(key) && !t[key].is_null(); };  // null has Moonshot's default
+        r.require(c.rms_norm_eps <= 0.01f, tp + "rms_norm_eps: " + std::to_string(c.rms_norm_eps) +
+                                               " is more than 0.01 (it is added to a mean square; K3 uses 1e-5)", {"rms_norm_eps"});
+        r.require(c.situ_beta > 0, tp + "activation_situ_beta: must be positive (the gate branch's soft cap; K3 uses 4)",
+                  {"activation_situ_beta"});
+        r.require(!given("activation_situ_linear_beta") || c.situ_linear_beta > 0,
+                  tp + "activation_situ_linear_beta: must be positive, or null for an identity up branch (K3 uses 25)",
+                  {"activation_situ_linear_beta"});
+        r.require(c.routed_scaling_factor > 0, tp + "routed_scaling_factor: must be positive (it multiplies the routing weights; K3 uses 1)",
+                  {"routed_scaling_factor"});
+        // sums and products the engine forms from two fields stay in an int (the MLA cache width C = R + X)
+        r.require(std::int64_t(c.kv_lora_rank) + c.qk_rope_head_dim <= kMaxWidth,
+                  tp + "kv_lora_rank + qk_rope_head_dim: " + std::to_string(std::int64_t(c.kv_lora_rank) + c.qk_rope_head_dim) +
+                      " is more than " + std::to_string(kMaxWidth),
+                  {"kv_lora_rank", "qk_rope_head_dim"});
     }
+    if (!r.problems.empty()) fail(ErrorKind::format, detail::problem_list(source + ": the config is refused", r.problems));
 
     // ---- 2.4 the layer schedule ----
     std::set<int> mla(c.full_attn_layers.begin(), c.full_attn_layers.end());
@@ -429,20 +473,11 @@ inline Config parse_config(const nlohmann::json& root, const std::string& source
     return c;
 }
 
-// Reads `path`, a config.json or a directory holding one.
+// Reads `path`, a config.json or a directory holding one: a regular file of at most kMaxConfigBytes,
+// JSON within chapter 01's bounds (depth, duplicate keys, numbers in range).
 inline Config load_config(std::string path) {
-    if (std::filesystem::is_directory(path)) path += "/config.json";
-    std::ifstream f(path);
-    if (!f) fail(ErrorKind::format, path + ": cannot open (is this a model directory?)");
-    std::stringstream ss;
-    ss << f.rdbuf();
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(ss.str());
-    } catch (const nlohmann::json::parse_error& e) {
-        fail(ErrorKind::format, path + ": not valid JSON: " + e.what());
-    }
-    return parse_config(j, path);
+    if (is_directory(path)) path += "/config.json";
+    return parse_config(read_json_file(path, kMaxConfigBytes, "config.json"), path);
 }
 
 // One line per aspect: the attention schedule (KKKM...), the FFN kinds (DEEE...: D = dense, E = latent MoE),
@@ -696,13 +731,8 @@ inline ModelTensors bind_tensors(const Checkpoint& ck, const Config& c) {
     // MXFP4 must appear only in routed experts (llama.cpp's converter refuses it elsewhere too).
     for (const auto& [name, ref] : ck.tensors())
         if (name.find("weight_packed") != std::string::npos && name.find(".block_sparse_moe.experts.") == std::string::npos)
-            problems.push_back(name + ": MXFP4 weight_packed outside the routed experts (docs/kimi-k3.md 2.4: only experts are packed)");
-    if (!problems.empty()) {
-        std::string msg = ck.dir() + ": the checkpoint does not match its config (" + std::to_string(problems.size()) + " problem" +
-                          (problems.size() > 1 ? "s" : "") + (problems.size() > 20 ? ", first 20" : "") + "):";
-        for (std::size_t i = 0; i < problems.size() && i < 20; ++i) msg += "\n  - " + problems[i];
-        fail(ErrorKind::format, msg);
-    }
+            problems.push_back(clipped(name) + ": MXFP4 weight_packed outside the routed experts (docs/kimi-k3.md 2.4: only experts are packed)");
+    if (!problems.empty()) fail(ErrorKind::format, detail::problem_list(ck.dir() + ": the checkpoint does not match its config", problems));
     return m;
 }
 

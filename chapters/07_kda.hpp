@@ -133,6 +133,12 @@ struct KdaState {
         in.read(reinterpret_cast<char*>(history.data()), std::streamsize(history.size() * 4));
         in.read(reinterpret_cast<char*>(S.data()), std::streamsize(S.size() * 4));
         if (!in) fail(ErrorKind::format, "KDA state: the saved state is truncated");
+        // a state the recurrence produced is finite; a NaN or Inf would poison every later token
+        for (const std::vector<float>* v : {&history, &S})
+            for (std::size_t i = 0; i < v->size(); ++i)
+                if (!std::isfinite((*v)[i]))
+                    fail(ErrorKind::format, std::string("KDA state: the saved ") + (v == &S ? "state S" : "conv history") + " holds " +
+                                                std::to_string((*v)[i]) + " at index " + std::to_string(i));
     }
 };
 

@@ -234,6 +234,12 @@ class MlaCache {
             data_.clear();
             fail(ErrorKind::io, where + "short read in the positions");
         }
+        for (std::size_t i = 0; i < data_.size(); ++i)  // cached latents are finite; a NaN would poison every later token
+            if (!std::isfinite(data_[i])) {
+                const float bad = data_[i];
+                data_.clear();
+                fail(ErrorKind::format, where + "position " + std::to_string(i / width_) + " holds " + std::to_string(bad));
+            }
     }
 
   private:

@@ -380,6 +380,20 @@ struct Piece {
     std::uint64_t key() const { return std::uint64_t(matrix) << 32 | chunk; }
 };
 
+namespace detail {
+// A tensor read with O_DIRECT lands `skew` bytes into its 4096-aligned buffer, skew being its file offset
+// modulo 4096. Release checkpoints keep every tensor 8-aligned, but a valid file may start its data
+// section at any byte (the header length is not required to be a multiple of 8): then a bf16 or f32
+// pointer at buf + skew is misaligned, which is undefined behaviour for every plain load in the kernels.
+// So such bytes are moved to the buffer's start (memmove: the ranges overlap), once, when they arrive;
+// returns the skew the data now has.
+inline std::size_t align_piece(std::byte* buf, std::size_t skew, std::size_t nbytes) {
+    if (skew % 16 == 0) return skew;
+    std::memmove(buf, buf + skew, nbytes);
+    return 0;
+}
+}  // namespace detail
+
 struct RingStats {
     std::uint64_t pieces = 0, bytes = 0, prefetched = 0, waited = 0, mismatches = 0;
     double wait_seconds = 0, read_seconds = 0;  // read_seconds: wall time with at least one read in flight
@@ -525,7 +539,7 @@ class PieceRing {
         std::lock_guard<std::mutex> g(stats_mu_);
         stats_.pieces++;
         stats_.bytes += p.nbytes;
-        return skew;
+        return detail::align_piece(slot, skew, std::size_t(p.nbytes));
     }
 
     // Reads `p` into `slot` (marked Reading by the caller) with the lock released, so the consumer and
@@ -747,44 +761,46 @@ inline TrunkLayout pack_trunk(const ModelTensors& m, const std::string& out_dir,
 // layer present with the same dtype, shape and size, and trunk.bin exactly as long as recorded.
 inline TrunkLayout load_trunk(const std::string& dir, const ModelTensors& m) {
     const std::string json_path = dir + "/trunk.json", bin = dir + "/trunk.bin";
-    std::ifstream f(json_path);
-    if (!f) fail(ErrorKind::format, json_path + ": cannot open (run kimik3 pack-trunk first)");
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-        fail(ErrorKind::format, json_path + ": not valid JSON: " + e.what());
-    }
+    if (!path_present(json_path)) fail(ErrorKind::format, json_path + ": cannot open (run kimik3 pack-trunk first)");
+    const nlohmann::json j = read_json_file(json_path, 64u << 20, "trunk.json");  // K3's is ~0.5 MB
     auto bad = [&](const std::string& what) { fail(ErrorKind::format, json_path + ": " + what); };
-    if (j.value("format", "") != "kimik3-trunk" || j.value("version", 0) != 1) bad("not a kimik3 trunk (format/version)");
     TrunkLayout t;
     t.dir = dir;
-    t.file_bytes = j.value("file_bytes", std::uint64_t(0));
-    Fd fd = open_read(bin);
-    if (file_size(fd.get(), bin) != t.file_bytes)
-        bad("trunk.bin is " + std::to_string(file_size(fd.get(), bin)) + " bytes, trunk.json says " + std::to_string(t.file_bytes));
-    const auto& layers = j["layers"];
-    if (!layers.is_array() || layers.size() != m.layers.size())
-        bad("has " + std::to_string(layers.is_array() ? layers.size() : 0) + " layers, the checkpoint " + std::to_string(m.layers.size()));
-    for (std::size_t l = 0; l < m.layers.size(); ++l) {
-        const auto& L = layers[l];
-        TrunkLayer tl;
-        tl.file_off = L.value("file_off", std::uint64_t(0));
-        tl.nbytes = L.value("nbytes", std::uint64_t(0));
-        if (tl.file_off % kPageAlign || tl.file_off + tl.nbytes > t.file_bytes) bad("layer " + std::to_string(l) + ": bad run");
-        for (const Checkpoint::Ref* r : m.layers[l].all) {
-            const std::string& name = r->info->name;
-            if (!L["tensors"].contains(name)) bad("layer " + std::to_string(l) + " has no tensor '" + name + "'");
-            const auto& e = L["tensors"][name];
-            std::vector<std::int64_t> want_shape(r->info->shape.dims.begin(), r->info->shape.dims.begin() + r->info->shape.rank);
-            const bool same_shape = e.contains("shape") && e["shape"].is_array() && e["shape"] == nlohmann::json(want_shape);
-            if (e.value("nbytes", std::uint64_t(0)) != r->info->nbytes() || e.value("dtype", "") != dtype_name(r->info->dtype) || !same_shape)
-                bad("tensor '" + name + "' differs from the checkpoint's (size, dtype or shape): the trunk was packed from another model");
-            const std::uint64_t off = e.value("off", std::uint64_t(0));
-            if (off + r->info->nbytes() > tl.nbytes) bad("tensor '" + name + "' runs past its layer");
-            t.tensor_off[name] = tl.file_off + off;
+    try {  // a field of the wrong JSON type or a missing one (at() throws) is a malformed file, never a crash
+        if (!j.is_object() || j.value("format", "") != "kimik3-trunk" || j.value("version", 0) != 1) bad("not a kimik3 trunk (format/version)");
+        t.file_bytes = j.value("file_bytes", std::uint64_t(0));
+        Fd fd = open_read(bin);
+        if (file_size(fd.get(), bin) != t.file_bytes)
+            bad("trunk.bin is " + std::to_string(file_size(fd.get(), bin)) + " bytes, trunk.json says " + std::to_string(t.file_bytes));
+        const auto& layers = j.at("layers");
+        if (!layers.is_array() || layers.size() != m.layers.size())
+            bad("has " + std::to_string(layers.is_array() ? layers.size() : 0) + " layers, the checkpoint " + std::to_string(m.layers.size()));
+        for (std::size_t l = 0; l < m.layers.size(); ++l) {
+            const auto& L = layers.at(l);
+            TrunkLayer tl;
+            tl.file_off = L.value("file_off", std::uint64_t(0));
+            tl.nbytes = L.value("nbytes", std::uint64_t(0));
+            if (tl.file_off % kPageAlign || tl.file_off > t.file_bytes || tl.nbytes > t.file_bytes - tl.file_off)
+                bad("layer " + std::to_string(l) + ": bad run");
+            const auto& tensors = L.at("tensors");
+            for (const Checkpoint::Ref* r : m.layers[l].all) {
+                const std::string& name = r->info->name;
+                if (!tensors.is_object() || !tensors.contains(name)) bad("layer " + std::to_string(l) + " has no tensor '" + name + "'");
+                const auto& e = tensors.at(name);
+                std::vector<std::int64_t> want_shape(r->info->shape.dims.begin(), r->info->shape.dims.begin() + r->info->shape.rank);
+                const bool same_shape = e.contains("shape") && e["shape"].is_array() && e["shape"] == nlohmann::json(want_shape);
+                if (e.value("nbytes", std::uint64_t(0)) != r->info->nbytes() || e.value("dtype", "") != dtype_name(r->info->dtype) || !same_shape)
+                    bad("tensor '" + name + "' differs from the checkpoint's (size, dtype or shape): the trunk was packed from another model");
+                const std::uint64_t off = e.value("off", std::uint64_t(0));
+                if (off > tl.nbytes || r->info->nbytes() > tl.nbytes - off) bad("tensor '" + name + "' runs past its layer");
+                t.tensor_off[name] = tl.file_off + off;
+            }
+            t.layers.push_back(tl);
         }
-        t.layers.push_back(tl);
+    } catch (const nlohmann::json::exception& e) {
+        std::string what = e.what();
+        if (const std::size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
+        bad("malformed (" + what + ")");
     }
     return t;
 }
@@ -874,6 +890,8 @@ class TrunkWeights {
             res.skew = skew;
             if (src->direct_fd < 0 || detail::pread_direct(src->direct_fd, src->fd, res.buf.data(), start, round_up(need, kPageAlign), need, *src->path) == 0)
                 pread_exact(src->fd, res.buf.data() + skew, std::size_t(r->info->nbytes()), off, *src->path);
+            res.skew = detail::align_piece(res.buf.data(), skew, std::size_t(r->info->nbytes()));
+            if (!mat) require_finite(*r->info, res.data());  // norms, biases, decay parameters: checked once, here
             done += r->info->nbytes();
             if (progress) progress("load", done, total);
         }

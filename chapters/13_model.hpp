@@ -44,6 +44,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <span>
@@ -261,6 +262,15 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
         rmsnorm(&u[(t - first) * D], &x[t * D], vec(model.tensors.final_norm), D, eps);
     }
     linear(logits, u.data(), n, tw.lm_head());
+    // A NaN or Inf logit means a weight on the way (lm_head, model.norm, any layer's matrix) or an
+    // activation is not finite. Greedy argmax would then answer id 0 forever and exit 0; refuse instead.
+    // O(V) per position, nothing next to the lm_head's O(V D). (Small tensors are checked at load.)
+    const std::size_t V = std::size_t(c.vocab_size);
+    for (std::size_t i = 0; i < n * V; ++i)
+        if (!std::isfinite(logits[i]))
+            fail(ErrorKind::runtime, "the logits at position " + std::to_string(s.tokens.size() + first + i / V) + " are not finite (logit " +
+                                         std::to_string(i % V) + " is " + std::to_string(logits[i]) +
+                                         "): the checkpoint holds a NaN or Inf on the way (lm_head, model.norm, a layer's weights)");
     s.tokens.insert(s.tokens.end(), ids, ids + T);
     model.head_seconds = head + std::chrono::duration<double>(clock::now() - t_head).count();
 }

@@ -441,12 +441,9 @@ inline bool base64_decode(std::string_view in, std::string& out) {
     return true;
 }
 
-inline std::string read_text_file(const std::string& path) {
-    Fd fd = open_read(path);
-    std::string text(std::size_t(file_size(fd.get(), path)), '\0');
-    pread_exact(fd.get(), text.data(), text.size(), 0, path);
-    return text;
-}
+
+// A whole text file (a regular file, at most 1 GiB: chapter 01's read_file_capped).
+inline std::string read_text_file(const std::string& path) { return read_file_capped(path, 1u << 30, "text file"); }
 
 inline std::string hex_bytes(std::string_view s) {  // at most 16 bytes, as lowercase hex
     std::string out;
@@ -516,17 +513,12 @@ inline void Tokenizer::parse_model(std::string_view text, const std::string& nam
 // largest id given; ids in that range without an entry are named <|reserved_token_{id}|>.
 inline void Tokenizer::parse_config(std::string_view text, const std::string& name) {
     using nlohmann::json;
-    json j;
-    try {
-        j = json::parse(text);
-    } catch (const json::parse_error& e) {
-        fail(ErrorKind::format, name + ": not valid JSON: " + e.what());
-    }
+    const json j = parse_json(text, name);  // chapter 01's bounded reader
     if (!j.is_object() || !j.contains("added_tokens_decoder") || !j["added_tokens_decoder"].is_object())
         fail(ErrorKind::format, name + ": field 'added_tokens_decoder' is missing or not an object");
     std::vector<std::pair<std::uint32_t, SpecialToken>> given;
     for (auto it = j["added_tokens_decoder"].begin(); it != j["added_tokens_decoder"].end(); ++it) {
-        const std::string where = name + ": added_tokens_decoder['" + it.key() + "']: ";
+        const std::string where = name + ": added_tokens_decoder['" + clipped(it.key(), 40) + "']: ";
         const std::string& key = it.key();
         if (key.empty() || key.size() > 9 || !std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; }))
             fail(ErrorKind::format, where + "the key is not a token id");
@@ -539,8 +531,15 @@ inline void Tokenizer::parse_config(std::string_view text, const std::string& na
         if (id - bpe_size() >= 65536) fail(ErrorKind::format, where + "id " + key + " is more than 65,536 past the BPE ranks");
         given.push_back({id, {v["content"].get<std::string>(), !v.contains("special") || v["special"] == true}});
     }
-    std::uint32_t count = 0;
-    for (const auto& g : given) count = std::max(count, g.first + 1 - bpe_size());
+    std::uint32_t count = 0, lowest = kNoRank;
+    for (const auto& g : given) count = std::max(count, g.first + 1 - bpe_size()), lowest = std::min(lowest, g.first);
+    // Specials follow the ranks directly (tokenization_kimi.py numbers them from len(ranks)). Ids between
+    // the last rank and the first special would be named <|reserved_token_N|> and decode as such: what a
+    // tiktoken.model cut short at a line boundary looks like. Holes between specials are reserved ids.
+    if (!given.empty() && lowest != bpe_size())
+        fail(ErrorKind::format, name + ": the first special token has id " + std::to_string(lowest) + ", but tiktoken.model ends at rank " +
+                                    std::to_string(bpe_size() - 1) + ": ids " + std::to_string(bpe_size()) + ".." + std::to_string(lowest - 1) +
+                                    " would be neither (is tiktoken.model cut short?)");
     specials_.assign(count, {});
     for (std::uint32_t k = 0; k < count; ++k) specials_[k].content = "<|reserved_token_" + std::to_string(bpe_size() + k) + "|>";
     for (const auto& g : given) specials_[g.first - bpe_size()] = g.second;
@@ -550,8 +549,11 @@ inline void Tokenizer::parse_config(std::string_view text, const std::string& na
     for (const char* field : {"bos_token", "eos_token"}) {  // a string or {"content": ...}
         if (!j.contains(field)) continue;
         const json& v = j[field];
-        const std::string s = v.is_string() ? v.get<std::string>() : v.is_object() && v.contains("content") ? v["content"].get<std::string>() : "";
-        if (!special_ids_.count(s)) fail(ErrorKind::format, name + ": '" + field + "' = '" + s + "' is not a special token");
+        const json* content = v.is_string() ? &v : v.is_object() && v.contains("content") ? &v["content"] : nullptr;
+        if (!content || !content->is_string())
+            fail(ErrorKind::format, name + ": '" + field + "' = " + json_excerpt(v) + " is neither a string nor {\"content\": string}");
+        const std::string& s = content->get_ref<const std::string&>();
+        if (!special_ids_.count(s)) fail(ErrorKind::format, name + ": '" + field + "' = '" + clipped(s, 60) + "' is not a special token");
         (field[0] == 'b' ? bos_token_ : eos_token_) = s;
     }
 }
@@ -566,8 +568,8 @@ inline Tokenizer Tokenizer::from_strings(std::string_view model_text, const std:
 
 inline Tokenizer Tokenizer::load(const std::string& dir) {
     const std::string model = dir + "/tiktoken.model", config = dir + "/tokenizer_config.json";
-    const std::string model_text = detail::read_text_file(model);  // in this order: errors name the model first
-    return from_strings(model_text, model, detail::read_text_file(config), config);
+    const std::string model_text = read_file_capped(model, kMaxTokenizerModelBytes, "tiktoken.model");  // first: errors name it first
+    return from_strings(model_text, model, read_file_capped(config, kMaxConfigBytes, "tokenizer_config.json"), config);
 }
 
 // ---------------------------------------------------------------------------------------------------

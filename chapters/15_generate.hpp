@@ -45,10 +45,12 @@
 //      docs/kimi-k3.md does not describe. Choices where it is silent, each tested: the attribute order
 //      role, type, name, tool, index; call indices count from 1 in order; with thinking on, every
 //      assistant message gets a think block (empty when it has no reasoning); with thinking off none
-//      does. Internal system messages (type="tool-declare", "thinking-effort", "tool-choice",
-//      "response-format") are ordinary messages whose body the caller supplies: docs/kimi-k3.md gives
-//      neither the 67-token thinking-effort text nor the exact tool-declare wording, so this chapter
-//      never invents them.
+//      does; reasoning that is only whitespace renders as an empty think block (the template trims it
+//      to test it). With thinking on, the chat opens with the thinking-effort system message, effort
+//      "max" unless the caller picks low, medium, high or none, in the exact wording of K3's chat
+//      template (llama.cpp, models/templates/Kimi-K3.jinja). Other internal system messages
+//      (type="tool-declare", "tool-choice", "response-format") are ordinary messages whose body the
+//      caller supplies.
 //   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
 //      and draws nothing. Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
 //      ties lower id first; keep the first top_k (0 = all); e_j = exp(z_j - z_0); S = the 16-lane sum
@@ -65,10 +67,14 @@
 //      resumed session draws what the first process would have, and chapter 16's speculation, which
 //      chooses several positions in one step, samples exactly what one-token steps sample.
 //
-//   4. A chat turn feeds exactly the tokens the session has not seen (the previous stop token, the
-//      new message, the generation prompt) and carries every layer's state forward: no history is
-//      recomputed. A saved session holds the token history, every KDA state and every MLA cache; a
-//      file made for another model (config fingerprint) or another format version is refused.
+//   4. A chat turn feeds exactly the tokens the session has not seen (what closes the previous reply,
+//      the new message, the generation prompt) and carries every layer's state forward: no history is
+//      recomputed. A reply cut by max_new or stopped by [EOS] is closed before the next message (its
+//      open tags, then <|end_of_msg|>), so past turns are always closed messages, as the template
+//      renders them. A saved session holds the token history, every KDA state and every MLA cache; a
+//      file made for another model (config fingerprint) or another format version is refused, and so
+//      is any count that does not fit the model, the context or the file's length (checked before
+//      anything is allocated), an id outside the vocabulary, a non-finite state, or trailing bytes.
 //
 // USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, forward), chapter 00 (hsum16, Error).
 // RUN      make run-15    (renders a short chat; samples the tiny K3 at two temperatures)
@@ -86,6 +92,8 @@
 #include <fstream>
 #include <span>
 #include <sstream>
+#include <streambuf>
+#include <tuple>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -122,9 +130,23 @@ struct ChatMessage {
 };
 
 struct ChatOptions {
-    bool thinking = true;                // K3's default (with effort "max", whose message the caller adds)
+    bool thinking = true;                // K3's default
     bool add_generation_prompt = true;   // end with the opening of the assistant's reply
+    // With thinking on, the chat opens with the internal system message that tells the model how much to
+    // think: "low", "medium", "high" or "max" (the template's default), or "" for none (the template's
+    // thinking_effort=None).
+    std::string thinking_effort = "max";
 };
+
+// The thinking-effort message's body, word for word as K3's chat template writes it (llama.cpp
+// models/templates/Kimi-K3.jinja, the `internal_system_message('thinking-effort', ...)` call).
+inline std::string thinking_effort_text(std::string_view effort) {
+    if (effort != "low" && effort != "medium" && effort != "high" && effort != "max")
+        fail(ErrorKind::usage, "thinking effort '" + std::string(effort) + "' is not one of low, medium, high, max");
+    return "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
+           "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=" +
+           std::string(effort) + "`.";
+}
 
 // ---------------------------------------------------------------------------------------------------
 // 15.2 Rendering: segment by segment, straight to ids
@@ -163,6 +185,17 @@ inline std::string xtml_attribute(std::string_view key, std::string_view value) 
     return " " + std::string(key) + "=\"" + escape_attribute(value) + "\"";
 }
 
+// Whether a reasoning text is only whitespace (Python's str.isspace, as the template's `trim` filter sees
+// it): such reasoning renders as an empty think block, as both of K3's renderers do.
+inline bool is_blank(std::string_view s) {
+    for (std::size_t i = 0; i < s.size();) {
+        const Utf8Char c = utf8_next(s, i);
+        if (!c.valid || !python_isspace(c.cp)) return false;
+        i += c.len;
+    }
+    return true;
+}
+
 inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOptions& opt) {
     std::string tag = "message" + xtml_attribute("role", m.role);
     if (!m.type.empty()) tag += xtml_attribute("type", m.type);
@@ -170,7 +203,7 @@ inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOption
     if (!m.tool.empty()) tag += xtml_attribute("tool", m.tool) + xtml_attribute("index", std::to_string(m.index));
     w.open(tag);
     if (m.role == "assistant") {
-        if (opt.thinking) w.open("think"), w.text(m.reasoning), w.close("think");
+        if (opt.thinking) w.open("think"), w.text(is_blank(m.reasoning) ? "" : m.reasoning), w.close("think");
         w.open("response"), w.text(m.content), w.close("response");
         if (!m.tool_calls.empty()) {
             w.open("tools");
@@ -189,9 +222,17 @@ inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOption
     w.special("<|end_of_msg|>");
 }
 
+// What opens every chat before its messages: with thinking on and an effort given, the thinking-effort
+// message (the template puts it after a tool declaration, which this chapter does not render).
+inline void render_chat_start(ChatWriter& w, const ChatOptions& opt) {
+    if (opt.thinking && !opt.thinking_effort.empty())
+        render_message(w, ChatMessage{.role = "system", .content = thinking_effort_text(opt.thinking_effort), .type = "thinking-effort"}, opt);
+}
+
 // The whole prompt: every message, then (by default) the opening of the assistant's reply.
 inline std::vector<std::uint32_t> render_chat(const Tokenizer& tok, std::span<const ChatMessage> messages, const ChatOptions& opt = {}) {
     ChatWriter w(tok);
+    render_chat_start(w, opt);
     for (const ChatMessage& m : messages) render_message(w, m, opt);
     if (opt.add_generation_prompt) w.open("message" + xtml_attribute("role", "assistant")), w.open(opt.thinking ? "think" : "response");
     return w.ids();
@@ -347,7 +388,53 @@ struct Chat {
     Chat(const Config& c, std::size_t ctx) : context(ctx), session(c, ctx) {}
 };
 
-// One user message in, the assistant's reply out (streamed through on_text as complete UTF-8).
+// What the next turn feeds after a reply, so that the conversation the model sees always holds the
+// reply as a closed message, as K3's renderers write every past turn. A reply that ended with
+// <|end_of_msg|> after closing its message is already closed: the stop token alone. A reply cut by
+// max_new, stopped by [EOS] or ended with tags still open gets what closes it: its last drawn token
+// when max_new cut it (not fed yet; a stop token is never fed), <|sep|> when it was cut inside a tag, a <|close|>TAG<|sep|> for every tag still
+// open (innermost first; an empty response block first when only a think block was written, since
+// every assistant message has one), then <|end_of_msg|>.
+// `reply` is what continue_session drew after the generation prompt (which opened message and think or
+// response), stop token included; every drawn token but the last was fed.
+inline std::vector<std::int64_t> close_reply(const Tokenizer& tok, std::span<const std::int64_t> reply, bool thinking) {
+    const std::uint32_t open = tok.special_id("<|open|>"), close = tok.special_id("<|close|>"), sep = tok.special_id("<|sep|>");
+    const StopTokens stops = stop_tokens(tok);
+    std::vector<std::string> stack = {"message", thinking ? "think" : "response"};  // what the generation prompt opened
+    bool response_seen = !thinking;
+    enum { text, in_open, in_close } mode = text;
+    std::string tag;  // the text of a tag being read, between <|open|>/<|close|> and <|sep|>
+    auto end_tag = [&] {
+        const std::string name = tag.substr(0, tag.find(' '));
+        if (mode == in_open) stack.push_back(name), response_seen = response_seen || name == "response";
+        else if (const auto it = std::find(stack.rbegin(), stack.rend(), name); it != stack.rend()) stack.erase(std::next(it).base(), stack.end());
+        mode = text, tag.clear();
+    };
+    std::vector<std::int64_t> out;
+    const bool stopped = !reply.empty() && stops.contains(std::uint32_t(reply.back()));
+    const std::size_t n = reply.size() - (stopped ? 1 : 0);
+    for (std::size_t k = 0; k < n; ++k) {
+        const std::uint32_t id = std::uint32_t(reply[k]);
+        if (id == open || id == close) mode = id == open ? in_open : in_close, tag.clear();
+        else if (id == sep && mode != text) end_tag();
+        else if (mode != text) tag += tok.decode(std::span<const std::uint32_t>(&id, 1));
+    }
+    if (n > 0 && !stopped) out.push_back(reply[n - 1]);  // cut by max_new: the last drawn token was not fed yet
+    if (stack.empty() && stopped && std::uint32_t(reply.back()) == stops.end_of_msg) return {reply.back()};
+    ChatWriter w(tok);
+    if (mode != text) w.special("<|sep|>"), end_tag();
+    while (!stack.empty()) {
+        if (stack.size() == 1 && !response_seen) w.open("response"), w.close("response"), response_seen = true;
+        w.close(stack.back());
+        stack.pop_back();
+    }
+    w.special("<|end_of_msg|>");
+    out.insert(out.end(), w.ids().begin(), w.ids().end());
+    return out;
+}
+
+// One user message in, the assistant's reply out (streamed through on_text as complete UTF-8). The first
+// turn of a conversation begins with render_chat_start's messages (Chat::pending holds them).
 // `cont(fresh, on_token)` feeds the fresh tokens and draws the reply with continue_session's contract
 // (chat_turn passes continue_session itself; chapter 16 passes its speculative form).
 template <class OnText, class Continue>
@@ -376,7 +463,7 @@ std::vector<std::int64_t> chat_turn_with(Chat& chat, const Tokenizer& tok, const
         return true;
     });
     on_text(utf8.finish());
-    chat.pending.assign(reply.end() - 1, reply.end());  // the last drawn token (max_new >= 1): a stop token, or the last of max_new
+    chat.pending = close_reply(tok, reply, chat.options.thinking);  // fed first by the next turn
     return reply;
 }
 
@@ -406,12 +493,12 @@ inline std::uint64_t config_fingerprint(const Config& c) {
 inline constexpr char kSessionMagic[8] = {'K', 'I', 'M', 'I', 'K', '3', 'S', 'S'};
 inline constexpr std::uint32_t kSessionVersion = 1;
 
-inline void save_chat(const std::string& path, const Model& model, const Chat& chat) {
+inline std::string session_bytes(const Config& config, const Chat& chat) {
     std::ostringstream out(std::ios::binary);
     auto u64 = [&](std::uint64_t v) { out.write(reinterpret_cast<const char*>(&v), 8); };
     out.write(kSessionMagic, 8);
     out.write(reinterpret_cast<const char*>(&kSessionVersion), 4);
-    u64(config_fingerprint(model.config));
+    u64(config_fingerprint(config));
     for (const auto* ids : {&chat.session.tokens, &chat.pending}) {
         u64(ids->size());
         out.write(reinterpret_cast<const char*>(ids->data()), std::streamsize(ids->size() * 8));
@@ -420,41 +507,105 @@ inline void save_chat(const std::string& path, const Model& model, const Chat& c
         if (k) k->save(out);
     for (const auto& m : chat.session.mla)
         if (m) m->save(out);
-    SafetensorsWriter::write_text_atomic(path, out.str());
+    return out.str();
 }
 
-inline void load_chat(const std::string& path, const Model& model, Chat& chat) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail(ErrorKind::format, path + ": cannot open");
-    char magic[8] = {};
+inline void save_chat(const std::string& path, const Model& model, const Chat& chat) {
+    SafetensorsWriter::write_text_atomic(path, session_bytes(model.config, chat));
+}
+
+// Reading one back trusts nothing: every count is checked against the model and against the file's
+// own length before anything is allocated (a file claiming 2^32 tokens is 36 bytes long, and is refused
+// as such), the file must end exactly where the last layer's state does, every id must be in the
+// vocabulary, every MLA cache must hold one position per token of history, and every saved number must
+// be finite (a NaN in a state would fail the next turn, or worse, propagate into every later one).
+namespace detail {
+struct MemoryStreamBuf : std::streambuf {  // an istream over bytes already in memory
+    MemoryStreamBuf(const char* p, std::size_t n) { setg(const_cast<char*>(p), const_cast<char*>(p), const_cast<char*>(p) + n); }
+};
+}  // namespace detail
+
+// The most bytes a session of this model at this context can take: what load_chat reads at most.
+inline std::uint64_t max_session_bytes(const Config& c, std::size_t context) {
+    const KdaDims k = KdaDims::from(c);
+    const std::uint64_t kda = 24 + 4 * (3 * (k.conv - 1) * k.width() + k.heads * k.head_dim * k.head_dim);  // KdaState::save
+    const std::uint64_t mla = 24 + 4 * std::uint64_t(context) * MlaDims::from(c).cache_width();            // MlaCache::save, full
+    return 36 + 16 * std::uint64_t(context) + std::uint64_t(c.count(AttnKind::KDA)) * kda + std::uint64_t(c.count(AttnKind::MLA)) * mla;
+}
+
+inline void parse_chat(std::string_view bytes, const std::string& path, const Config& config, Chat& chat) {
+    auto bad = [&](const std::string& what) { fail(ErrorKind::format, path + ": " + what); };
+    auto u64_at = [&](std::size_t at) {
+        std::uint64_t v = 0;
+        std::memcpy(&v, bytes.data() + at, 8);
+        return v;
+    };
+    if (bytes.size() < 20 || std::memcmp(bytes.data(), kSessionMagic, 8) != 0) bad("not a kimik3 session file");
     std::uint32_t version = 0;
-    std::uint64_t fp = 0;
-    in.read(magic, 8).read(reinterpret_cast<char*>(&version), 4).read(reinterpret_cast<char*>(&fp), 8);
-    if (!in || std::memcmp(magic, kSessionMagic, 8) != 0) fail(ErrorKind::format, path + ": not a kimik3 session file");
+    std::memcpy(&version, bytes.data() + 8, 4);
     if (version != kSessionVersion)
-        fail(ErrorKind::format, path + ": session format version " + std::to_string(version) + ", this program reads " +
-                                    std::to_string(kSessionVersion));
-    if (fp != config_fingerprint(model.config))
-        fail(ErrorKind::format, path + ": the session was made for a different model (config fingerprint differs)");
-    Chat fresh(model.config, chat.context);
+        bad("session format version " + std::to_string(version) + ", this program reads " + std::to_string(kSessionVersion));
+    if (u64_at(12) != config_fingerprint(config)) bad("the session was made for a different model (config fingerprint differs)");
+    // the counts, each against the context and the file's length, before any allocation
+    if (bytes.size() < 28) bad("the session file is truncated (" + std::to_string(bytes.size()) + " bytes, in the header)");
+    const std::uint64_t n = u64_at(20), ctx = chat.context;
+    if (n > ctx) bad("the history holds " + std::to_string(n) + " tokens, more than this chat's context of " + std::to_string(ctx));
+    if (bytes.size() < 36 + 8 * n) bad("the session file is truncated (" + std::to_string(bytes.size()) + " bytes, in the token history)");
+    const std::uint64_t m = u64_at(28 + 8 * n);
+    if (m > ctx - n) bad(std::to_string(m) + " pending tokens do not fit the context after " + std::to_string(n) + " of history");
+    Chat fresh(config, chat.context);
     fresh.options = chat.options;
-    for (auto* ids : {&fresh.session.tokens, &fresh.pending}) {
-        std::uint64_t n = 0;
-        in.read(reinterpret_cast<char*>(&n), 8);
-        if (!in || n > (std::uint64_t(1) << 32)) fail(ErrorKind::format, path + ": the token history is truncated or corrupt");
-        ids->resize(std::size_t(n));
-        in.read(reinterpret_cast<char*>(ids->data()), std::streamsize(n * 8));
+    std::uint64_t want = 36 + 8 * (n + m);
+    for (const auto& k : fresh.session.kda)
+        if (k) want += 24 + k->bytes();
+    for (const auto& c : fresh.session.mla)
+        if (c) want += 24 + n * c->width() * 4;
+    if (bytes.size() != want)
+        bad("is " + std::to_string(bytes.size()) + " bytes, but a session of " + std::to_string(n) + " tokens for this model is " +
+            std::to_string(want) + (bytes.size() < want ? ": the file is truncated" : ": trailing bytes after the last layer's state"));
+    // the ids, each inside the vocabulary
+    for (auto [ids, count, at, what] : {std::tuple{&fresh.session.tokens, n, std::size_t(28), "history"},
+                                        std::tuple{&fresh.pending, m, std::size_t(36 + 8 * n), "pending tokens"}}) {
+        ids->resize(std::size_t(count));
+        if (count) std::memcpy(ids->data(), bytes.data() + at, std::size_t(count) * 8);
+        for (std::size_t i = 0; i < ids->size(); ++i)
+            if ((*ids)[i] < 0 || (*ids)[i] >= config.vocab_size)
+                bad(std::string(what) + " token " + std::to_string(i) + " is id " + std::to_string((*ids)[i]) + ", outside the vocabulary (" +
+                    std::to_string(config.vocab_size) + ")");
     }
-    try {  // a state that does not read back whole is a bad file, whatever layer noticed it
+    // every layer's state: checked and finite (KdaState::load, MlaCache::load), one position per token
+    detail::MemoryStreamBuf buf(bytes.data() + 36 + 8 * (n + m), bytes.size() - (36 + 8 * (n + m)));
+    std::istream in(&buf);
+    try {
         for (auto& k : fresh.session.kda)
             if (k) k->load(in);
-        for (auto& m : fresh.session.mla)
-            if (m) m->load(in);
+        for (auto& c : fresh.session.mla)
+            if (c) {
+                c->load(in);
+                if (c->length() != n)
+                    bad("MLA layer " + std::to_string(c->layer()) + " holds " + std::to_string(c->length()) + " positions for " +
+                        std::to_string(n) + " tokens of history");
+            }
     } catch (const Error& e) {
-        fail(ErrorKind::format, path + ": the session file is truncated or corrupt (" + e.what() + ")");
+        if (e.kind == ErrorKind::format && std::string(e.what()).rfind(path, 0) == 0) throw;
+        bad("the session file is corrupt (" + std::string(e.what()) + ")");
     }
-    if (!in) fail(ErrorKind::format, path + ": the session file is truncated");
     chat = std::move(fresh);
+}
+
+inline void load_chat(const std::string& path, const Config& config, Chat& chat) {
+    parse_chat(read_file_capped(path, max_session_bytes(config, chat.context), "session of this model and context"), path, config, chat);
+}
+inline void load_chat(const std::string& path, const Model& model, Chat& chat) { load_chat(path, model.config, chat); }
+
+// The tokenizer and the model must agree on the id space: a tokenizer with fewer ids than the model's
+// vocabulary fails the first time the model draws one it lacks (mid-generation); one with more can
+// produce ids the model has no embedding for.
+inline void require_same_vocabulary(const Tokenizer& tok, const Config& c, const std::string& dir) {
+    if (tok.vocab_size() != std::uint32_t(c.vocab_size))
+        fail(ErrorKind::format, dir + ": the tokenizer has " + std::to_string(tok.vocab_size()) + " ids (" + std::to_string(tok.bpe_size()) +
+                                    " BPE ranks + " + std::to_string(tok.vocab_size() - tok.bpe_size()) +
+                                    " special tokens), the model's vocab_size is " + std::to_string(c.vocab_size));
 }
 
 }  // namespace kimik3

@@ -2,6 +2,8 @@
 // each with the error it must produce. None may crash or trip a sanitizer (make debug).
 #include "../chapters/01_safetensors.hpp"
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
 
@@ -13,6 +15,7 @@ namespace {
 
 using test::TempDir;
 using test::expect_error;
+using test::error_of;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
     std::ofstream f(path, std::ios::binary);
@@ -110,7 +113,21 @@ TEST_CASE("1.3 the broken-file corpus: each file gives its own error naming the 
         {"invalid JSON", craft(R"({"a":{"dtype":"F32",})", 0), {"not valid JSON"}},
         {"not an object", craft(R"(["a"])", 0), {"does not start with '{'"}},
         {"duplicate name", craft(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2),
-         {"tensor 'a' appears twice"}},
+         {"key 'a' appears twice in the top-level object"}},
+        {"a field given twice inside a tensor entry", craft(R"({"a":{"dtype":"U8","dtype":"F64","shape":[1],"data_offsets":[0,1]}})", 1),
+         {"key 'dtype' appears twice in the object a"}},
+        {"a header padded with NUL bytes", craft(std::string(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})") + std::string(5, '\0'), 1),
+         {"byte 53 is a NUL byte"}},
+        {"a number past a double's range", craft(R"({"a":{"dtype":"U8","shape":[1e400],"data_offsets":[0,1]}})", 1),
+         {"the number \"1e400\" is out of range"}},
+        {"a shape nested 100,000 deep", craft(R"({"a":{"dtype":"U8","shape":)" + std::string(100000, '[') + std::string(100000, ']') + R"(,"data_offsets":[0,1]}})", 1),
+         {"a.shape[0][0]", "nested more than 64 levels deep"}},
+        {"data_offsets nested 100,000 deep", craft(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[)" + std::string(100000, '[') + std::string(100000, ']') + "]}}", 1),
+         {"nested more than 64 levels deep"}},
+        {"a shape of 2^63 elements", craft(R"({"a":{"dtype":"U8","shape":[3037000500,3037000500,0],"data_offsets":[0,0]}})", 0),
+         {"field 'shape'", "overflows a 64-bit element count"}},
+        {"a long bad value is quoted only in part", craft(R"({"a":{"dtype":"U8","shape":[")" + std::string(100000, 'x') + R"("],"data_offsets":[0,1]}})", 1),
+         {"dimension \"xxxxxxxxxx", "xxx... is not an integer"}},
         {"unknown dtype", craft(R"({"a":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", 1), {"tensor 'a'", "field 'dtype'", "unknown dtype \"F8_E4M3\""}},
         {"missing dtype", craft(R"({"a":{"shape":[1],"data_offsets":[0,1]}})", 1), {"tensor 'a'", "field 'dtype'", "missing"}},
         {"overflowing shape", craft(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", 4),
@@ -138,6 +155,64 @@ TEST_CASE("1.3 the broken-file corpus: each file gives its own error naming the 
         expect_error([&] { SafetensorsFile f(path); }, {path.c_str()});  // the file is always named
     }
     expect_error([&] { SafetensorsFile f(dir.file("missing.safetensors")); }, {"missing.safetensors", "cannot open"});
+    // no message quotes more than a few hundred bytes of its input, however long the bad value is
+    const std::string long_name = craft(R"({")" + std::string(1 << 20, 'n') + R"(":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}})", 1);
+    write_bytes(dir.file("long.safetensors"), long_name);
+    CHECK(error_of([&] { SafetensorsFile f(dir.file("long.safetensors")); }).size() < 600);
+}
+
+TEST_CASE("1.3 parse_json: linear, bounded in depth, no duplicate keys, no NUL, numbers in range; messages quote little") {
+    using nlohmann::json;
+    CHECK(parse_json(R"({"a":[1,{"b":null}],"c":"d"})", "t.json") == json::parse(R"({"a":[1,{"b":null}],"c":"d"})"));
+    CHECK(parse_json("[" + std::string(63, '[') + std::string(64, ']'), "t.json").is_array());  // 64 levels: the limit
+    expect_error([&] { parse_json(std::string(65, '[') + std::string(65, ']'), "t.json"); }, {"t.json", "nested more than 64 levels deep"});
+    expect_error([&] { parse_json(std::string(100000, '[') + std::string(100000, ']'), "t.json"); }, {"nested more than 64"});
+    expect_error([&] { parse_json(R"({"x":{"k":1,"k":2}})", "t.json"); }, {"t.json", "key 'k' appears twice in the object x"});
+    expect_error([&] { parse_json(std::string("{}\0{}", 5), "t.json"); }, {"t.json", "byte 2 is a NUL byte"});
+    expect_error([&] { parse_json(R"({"x":[1,2,1e400]})", "t.json"); }, {"t.json", "the number \"1e400\" is out of range"});
+    expect_error([&] { parse_json(R"({"x":)", "t.json"); }, ErrorKind::format, {"t.json: not valid JSON", "line 1, column 6", "unexpected end of input"});
+    const std::string long_token = "[\"" + std::string(1 << 20, 'x');  // an unterminated string of 1 MiB
+    CHECK(error_of([&] { parse_json(long_token, "t.json"); }).size() < 400);
+    // streaming: each member handed over in order, none kept
+    std::vector<std::string> keys;
+    for_each_json_member(R"({"b":1,"a":{"c":[2]}})", "t.json", [&](const std::string& k, json& v) { keys.push_back(k + "=" + v.dump()); });
+    CHECK(keys == std::vector<std::string>{"b=1", R"(a={"c":[2]})"});
+    expect_error([&] { for_each_json_member("[1]", "t.json", [](const std::string&, json&) {}); }, {"t.json", "is not a JSON object"});
+    // json_excerpt: at most max characters, then "..."
+    CHECK(json_excerpt(json::parse("[1,2,3]")) == "[1,2,3]");
+    CHECK(json_excerpt(json(std::vector<int>(1000, 7)), 10) == "[7,7,7,7,7...");
+    CHECK(json_excerpt(json(std::string(500, 'x')), 5) == "\"xxxx...");
+}
+
+TEST_CASE("1.3 a 100,000-tensor header parses in one linear pass") {
+    // 100,000 entries, 10 MB: the callback parser this replaced took minutes (each member rescanned the
+    // parent object); linear parsing is timed in the benchmarks, here only the result is checked.
+    std::string h = "{";
+    for (int i = 0; i < 100000; ++i)
+        h += (i ? ",\"t" : "\"t") + std::to_string(i) + R"(":{"dtype":"U8","shape":[1],"data_offsets":[)" + std::to_string(i) + "," + std::to_string(i + 1) + "]}";
+    const Header hd = parse_header(h + "}", "big.safetensors", 100000);
+    CHECK(hd.tensors.size() == 100000);
+    CHECK(hd.tensors[99999].begin == 99999);
+}
+
+TEST_CASE("1.2 only regular files are read: a directory, a FIFO and a device are refused by name, at once") {
+    TempDir dir;
+    expect_error([&] { open_read(dir.path); }, ErrorKind::format, {dir.path.c_str(), "is a directory, not a regular file"});
+    const std::string fifo = dir.file("fifo");
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    expect_error([&] { open_read(fifo); }, ErrorKind::format, {"fifo: is a FIFO (named pipe), not a regular file"});  // no writer: would block
+    expect_error([&] { open_read("/dev/zero"); }, ErrorKind::format, {"/dev/zero: is a character device"});
+    // a symlink loop is a refused input naming the file, never a filesystem_error
+    std::filesystem::create_symlink("b", dir.file("a"));
+    std::filesystem::create_symlink("a", dir.file("b"));
+    CHECK(path_present(dir.file("a")));
+    expect_error([&] { open_read(dir.file("a")); }, ErrorKind::format, {"cannot open: Too many levels of symbolic links"});
+    CHECK(!path_present(dir.file("none")));
+    // read_file_capped refuses a file over its cap before reading it
+    write_bytes(dir.file("big.json"), std::string(1000, ' '));
+    expect_error([&] { read_file_capped(dir.file("big.json"), 999, "config.json"); }, ErrorKind::format,
+                 {"big.json: is 1000 bytes, more than the 999 a config.json may hold"});
+    CHECK(read_file_capped(dir.file("big.json"), 1000, "config.json").size() == 1000);
 }
 
 TEST_CASE("1.2 faults injected under pread surface as errors, never as data") {
@@ -186,11 +261,23 @@ TEST_CASE("1.6 a two-shard checkpoint through model.safetensors.index.json, and 
     expect_error([&] { Checkpoint ck(dir.path); }, {"'model.q'", "whose header has no such tensor"});
     write_bytes(idx, R"({"weight_map":{"model.x":"../etc/passwd"}})");
     expect_error([&] { Checkpoint ck(dir.path); }, {"not a plain file name"});
+    write_bytes(idx, R"({"weight_map":{"model.x":"."}})");  // the directory itself: refused, not read (exit 4)
+    expect_error([&] { Checkpoint ck(dir.path); }, ErrorKind::format, {"weight_map['model.x'] = \".\" is not a plain file name"});
+    write_bytes(idx, R"({"weight_map":{"model.x":"model-00001-of-00002.safetensors","model.x":"model-00002-of-00002.safetensors"}})");
+    expect_error([&] { Checkpoint ck(dir.path); }, ErrorKind::format, {"key 'model.x' appears twice in the object weight_map"});
     write_bytes(idx, R"({"weight_map": 3})");
     expect_error([&] { Checkpoint ck(dir.path); }, {"field 'weight_map'"});
     write_bytes(idx, R"({"weight_map": )");
     expect_error([&] { Checkpoint ck(dir.path); }, {"not valid JSON"});
     std::filesystem::remove(idx);
+    std::filesystem::create_directory(idx);  // an index that is a directory is refused (exit 2), not a failed read
+    expect_error([&] { Checkpoint ck(dir.path); }, ErrorKind::format, {"model.safetensors.index.json: is a directory, not a regular file"});
+    std::filesystem::remove(idx);
+    std::filesystem::create_symlink("model.safetensors.index.json", dir.file("loop"));  // idx -> loop -> idx: refused naming the file
+    std::filesystem::create_symlink("loop", idx);
+    expect_error([&] { Checkpoint ck(dir.path); }, ErrorKind::format, {"model.safetensors.index.json: cannot open: Too many levels of symbolic links"});
+    std::filesystem::remove(idx);
+    std::filesystem::remove(dir.file("loop"));
     expect_error([&] { Checkpoint ck(dir.path); }, {"neither model.safetensors.index.json nor model.safetensors"});
     expect_error([&] { Checkpoint ck(dir.file("nothing-here")); }, {"not a directory"});
 }
@@ -204,4 +291,17 @@ TEST_CASE("1.7 the writer refuses a byte count that does not match the shape, an
     w.write(dir.file("t.safetensors"));
     CHECK(!std::filesystem::exists(dir.file("t.safetensors.tmp")));
     CHECK(to_f32(SafetensorsFile(dir.file("t.safetensors")).read("t")) == three);
+    // an empty tensor converts to an empty vector (no memcpy from or to a null pointer)
+    SafetensorsWriter e;
+    e.add("empty", DType::F32, {0, 5}, nullptr, 0);
+    e.write(dir.file("e.safetensors"));
+    CHECK(to_f32(SafetensorsFile(dir.file("e.safetensors")).read("empty")).empty());
+    // a text file written onto a directory, or under an empty name, fails and leaves no NAME.tmp behind
+    std::filesystem::create_directory(dir.file("adir"));
+    expect_error([&] { SafetensorsWriter::write_text_atomic(dir.file("adir"), "x"); }, {"adir: is a directory"});
+    CHECK(!std::filesystem::exists(dir.file("adir.tmp")));
+    expect_error([&] { SafetensorsWriter::write_text_atomic("", "x"); }, {"empty name"});
+    CHECK(!std::filesystem::exists(".tmp"));
+    // Shape::numel refuses a product past 2^63 - 1 rather than wrapping
+    expect_error([&] { Shape{1ll << 40, 1ll << 40}.numel(); }, {"shape [1099511627776, 1099511627776] has more elements than a 64-bit count holds"});
 }

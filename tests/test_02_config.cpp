@@ -165,9 +165,90 @@ TEST_CASE("2.3 what Moonshot's code runs is accepted: any width, KDA heads > hea
 
 TEST_CASE("2.2 unreadable configs: a missing file and invalid JSON are named") {
     TempDir d;
-    CHECK(error_of([&] { load_config(d.path); }).find("config.json: cannot open (is this a model directory?)") != std::string::npos);
+    CHECK(error_of([&] { load_config(d.path); }).find("config.json: cannot open: No such file or directory") != std::string::npos);
     std::ofstream(d.path + "/config.json") << "{\"text_config\": ";
     CHECK(error_of([&] { load_config(d.path); }).find("config.json: not valid JSON") != std::string::npos);
+}
+
+TEST_CASE("2.2 hostile configs: caps on counts, bounded nesting and messages, numbers that fit, nonsense refused") {
+    const json base = read_json(kTiny + "/config.json");
+    auto refused = [&](const std::function<void(json&)>& edit) {
+        json j = base;
+        edit(j);
+        return error_of([&] { parse_config(j, "config.json"); });
+    };
+    // a count far past K3's is refused at once, with a short message (1e8 layers took 23 s, 3.4 GB and an
+    // 889 MB message; 1e9 ended in std::bad_alloc)
+    const std::string layers = refused([](json& j) { j["text_config"]["num_hidden_layers"] = 100000000; });
+    CHECK(layers.find("text_config.num_hidden_layers: 100000000 is more than 1024") != std::string::npos);
+    CHECK(layers.size() < 400);
+    CHECK(refused([](json& j) { j["text_config"]["hidden_size"] = 1 << 30; }).find("hidden_size: 1073741824 is more than 1048576") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["linear_attn_config"]["kda_layers"] = std::vector<int>(5000, 1); })
+              .find("kda_layers: 5000 elements, more than 1024") != std::string::npos);
+    // a problem list names the first 20 problems, then how many more
+    const std::string many = refused([](json& j) {
+        for (const char* k : {"hidden_size", "vocab_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                              "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_layer_freq", "num_experts", "num_experts_per_token",
+                              "moe_intermediate_size", "routed_expert_hidden_size", "attn_res_block_size", "hidden_act", "mla_use_nope",
+                              "mla_use_output_gate", "latent_moe_use_norm", "moe_router_activation_func", "moe_renormalize", "num_key_value_heads"})
+            j["text_config"][k] = json::array();
+    });
+    CHECK(many.find("and ") != std::string::npos);
+    CHECK(many.find(" more") != std::string::npos);
+    // a long partition problem lists ten layers and a count
+    const std::string part = refused([](json& j) {
+        j["text_config"]["num_hidden_layers"] = 1000;
+    });
+    CHECK(part.find("missing [14,15,16,17,18,19,20,21,22,23, and 977 more]") != std::string::npos);
+    // values that read but cannot be right
+    CHECK(refused([](json& j) { j["text_config"]["rms_norm_eps"] = 1e300; }).find("rms_norm_eps: 1e+300 does not fit a 32-bit float") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["rms_norm_eps"] = 0.5; }).find("rms_norm_eps: 0.500000 is more than 0.01") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["activation_situ_beta"] = 0; }).find("activation_situ_beta: must be positive") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["activation_situ_beta"] = -4; }).find("activation_situ_beta: must be positive") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["activation_situ_linear_beta"] = 0; }).find("activation_situ_linear_beta: must be positive") !=
+          std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["routed_scaling_factor"] = 0; }).find("routed_scaling_factor: must be positive") != std::string::npos);
+    CHECK(refused([](json& j) { j["text_config"]["routed_scaling_factor"] = -2.5; }).find("routed_scaling_factor: must be positive") != std::string::npos);
+    // a group_size far outside an int is compared as JSON, never converted (a double -> int past INT_MAX is undefined)
+    CHECK(refused([](json& j) { j["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 1e300; })
+              .find("group_size 32 (MXFP4)") != std::string::npos);
+    // the MLA cache width kv_lora_rank + qk_rope_head_dim stays in an int
+    CHECK(refused([](json& j) { j["text_config"]["kv_lora_rank"] = 1 << 20, j["text_config"]["qk_rope_head_dim"] = 1 << 20; })
+              .find("kv_lora_rank + qk_rope_head_dim: 2097152 is more than 1048576") != std::string::npos);
+    // a bad value is quoted in part: a 1 MB string, a 100,000-element list
+    const std::string quoted = refused([](json& j) { j["text_config"]["hidden_act"] = std::vector<int>(100000, 1); });
+    CHECK(quoted.find("hidden_act: [1,1,1,1") != std::string::npos);
+    CHECK(quoted.size() < 400);
+}
+
+TEST_CASE("2.2 load_config: regular files only, capped, bounded JSON (deep nesting, 1e400, NUL, a 100,000-deep field)") {
+    TempDir d;
+    auto write = [&](const std::string& text) { std::ofstream(d.path + "/config.json", std::ios::binary | std::ios::trunc) << text; };
+    std::string tiny;
+    {
+        std::ifstream f(kTiny + "/config.json");
+        tiny.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    auto with = [&](const std::string& from, const std::string& to) {
+        std::string t = tiny;
+        const std::size_t at = t.find(from);
+        REQUIRE(at != std::string::npos);
+        return t.replace(at, from.size(), to);
+    };
+    const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+    write(with("\"hidden_size\": 128", "\"hidden_size\": " + deep));  // was: exit 139 (stack overflow printing it)
+    CHECK(error_of([&] { load_config(d.path); }).find("config.json: text_config.hidden_size[0][0]") != std::string::npos);
+    write(with("\"kda_layers\": [", "\"kda_layers\": [" + deep + ","));
+    CHECK(error_of([&] { load_config(d.path); }).find("nested more than 64 levels deep") != std::string::npos);
+    write(with("\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 1e400"));
+    CHECK(error_of([&] { load_config(d.path); }).find("the number \"1e400\" is out of range") != std::string::npos);
+    write(with("\"hidden_size\": 128", "\"hidden_size\": 128, \"hidden_size\": 256"));
+    CHECK(error_of([&] { load_config(d.path); }).find("key 'hidden_size' appears twice in the object text_config") != std::string::npos);
+    write(tiny + std::string(17u << 20, ' '));  // 17 MiB of padding: over the 16 MiB cap, refused before it is read
+    CHECK(error_of([&] { load_config(d.path); }).find("more than the 16777216 a config.json may hold") != std::string::npos);
+    std::filesystem::remove(d.path + "/config.json");
+    std::filesystem::create_symlink("/dev/zero", d.path + "/config.json");  // was: read until memory ran out
+    CHECK(error_of([&] { load_config(d.path); }).find("config.json: is a character device, not a regular file") != std::string::npos);
 }
 
 TEST_CASE("2.6 binding the tiny K3: every tensor found; experts located, contiguous, stored out of id order") {

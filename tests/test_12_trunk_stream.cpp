@@ -172,9 +172,34 @@ TEST_CASE("12.4 pack-trunk: aligned layer runs holding the shard bytes verbatim;
     pack_trunk(tiny.tensors, d.path, {});
     ::truncate((d.path + "/trunk.bin").c_str(), 4096);
     CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("trunk.bin is 4096 bytes") != std::string::npos);
+    // fields of the wrong JSON type, a missing one, or nesting past the bound: refused as malformed, never a crash
+    pack_trunk(tiny.tensors, d.path, {});
+    json wrong = json::parse(std::ifstream(d.path + "/trunk.json"));
+    wrong["layers"][3] = "not a layer";
+    std::ofstream(d.path + "/trunk.json", std::ios::trunc) << wrong.dump();
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("trunk.json: malformed (cannot use value() with string)") != std::string::npos);
+    pack_trunk(tiny.tensors, d.path, {});
+    wrong = json::parse(std::ifstream(d.path + "/trunk.json"));
+    wrong["layers"][4].erase("tensors");
+    std::ofstream(d.path + "/trunk.json", std::ios::trunc) << wrong.dump();
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("trunk.json: malformed (key 'tensors' not found)") != std::string::npos);
+    std::ofstream(d.path + "/trunk.json", std::ios::trunc) << R"({"format":"kimik3-trunk","version":1,"layers":)" << std::string(100000, '[');
+    CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("nested more than 64 levels deep") != std::string::npos);
     // an interrupted pack leaves no trunk.json: nothing looks complete
     std::filesystem::remove(d.path + "/trunk.json");
     CHECK(error_of([&] { load_trunk(d.path, tiny.tensors); }).find("cannot open (run kimik3 pack-trunk first)") != std::string::npos);
+}
+
+TEST_CASE("12.3 bytes that arrive at an unaligned offset are moved to the buffer's start, once") {
+    // A valid shard may start its data section at an odd byte; an O_DIRECT read then leaves a tensor at
+    // buf + skew with skew odd, and every bf16/f32 load from it would be misaligned (undefined).
+    AlignedBuffer b(2 * kPageAlign);
+    for (int i = 0; i < 100; ++i) b.data()[5 + i] = std::byte(i);
+    CHECK(detail::align_piece(b.data(), 5, 100) == 0);
+    for (int i = 0; i < 100; ++i) REQUIRE(std::to_integer<int>(b.data()[i]) == i);
+    b.data()[32] = std::byte{7};
+    CHECK(detail::align_piece(b.data(), 32, 100) == 32);  // already aligned for any element type: untouched
+    CHECK(std::to_integer<int>(b.data()[32]) == 7);
 }
 
 TEST_CASE("12.4 pack-trunk refuses a layer whose tensors are not one contiguous run") {

@@ -228,10 +228,19 @@ TEST_CASE("14.5 the loader refuses broken files, naming file, line and reason") 
     expect_error([&] { config(R"({"added_tokens_decoder": {"256": {"content": "[X]"}}, "eos_token": "[EOS]"})"); },
                  {"'eos_token' = '[EOS]' is not a special token"});
     expect_error([&] { Tokenizer::load("/nonexistent-kimik3"); }, {"/nonexistent-kimik3/tiktoken.model: cannot open"});
+    // bos/eos given as an object must hold a string (was: a raw nlohmann type error, exit 1)
+    expect_error([&] { config(R"({"added_tokens_decoder": {"256": {"content": "[X]"}}, "bos_token": {"content": 5}})"); }, ErrorKind::format,
+                 {"c.json: 'bos_token' = {\"content\":5} is neither a string nor {\"content\": string}"});
+    expect_error([&] { config(R"({"added_tokens_decoder": {"256": {"content": "[X]"}}, "bos_token": [)" + std::string(100000, '[') + "]}"); },
+                 ErrorKind::format, {"c.json: bos_token", "nested more than 64 levels deep"});
     // Gaps between specials are named as tokenization_kimi.py names them.
-    const Tokenizer t = Tokenizer::from_strings(byte_vocab({}), "m", R"({"added_tokens_decoder": {"258": {"content": "[X]"}}})", "c");
+    const Tokenizer t = Tokenizer::from_strings(byte_vocab({}), "m", R"({"added_tokens_decoder": {"256": {"content": "[A]"}, "258": {"content": "[X]"}}})", "c");
     CHECK(t.vocab_size() == 259);
-    CHECK(t.token_bytes(256) == "<|reserved_token_256|>");
+    CHECK(t.token_bytes(257) == "<|reserved_token_257|>");
+    // A gap between the last rank and the first special is refused: what a tiktoken.model cut short at a
+    // line boundary looks like (its missing ranks would decode as <|reserved_token_N|>, exit 0)
+    expect_error([&] { config(R"({"added_tokens_decoder": {"258": {"content": "[X]"}}})"); }, ErrorKind::format,
+                 {"c.json: the first special token has id 258, but tiktoken.model ends at rank 255: ids 256..257", "cut short"});
 }
 
 TEST_CASE("14.6 BPE worked by hand: the lowest rank merges first, the leftmost on a tie") {

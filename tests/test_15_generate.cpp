@@ -4,6 +4,9 @@
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
 
+#include <cstring>
+#include <limits>
+
 #include "check.hpp"
 
 using namespace kimik3;
@@ -35,7 +38,7 @@ std::size_t count(const std::vector<std::uint32_t>& ids, std::uint32_t id) { ret
 
 TEST_CASE("15.2 system + user, thinking on: the exact XTML and its segments") {
     const ChatMessage chat[] = {{.role = "system", .content = "You are Kimi."}, {.role = "user", .content = "Hi!"}};
-    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat);
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.thinking_effort = ""});  // the effort message: test below
     CHECK(tiny().decode(ids) ==
           "<|open|>message role=\"system\"<|sep|>You are Kimi.<|close|>message<|sep|><|end_of_msg|>"
           "<|open|>message role=\"user\"<|sep|>Hi!<|close|>message<|sep|><|end_of_msg|>"
@@ -51,7 +54,7 @@ TEST_CASE("15.2 multi-turn with thinking: past assistant turns carry think and r
     const ChatMessage chat[] = {{.role = "user", .content = "2+2?"},
                                 {.role = "assistant", .content = "4", .reasoning = "Add them."},
                                 {.role = "user", .content = "And 3+3?"}};
-    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat);
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.thinking_effort = ""});
     CHECK(ids == segments({"<|open|>", "message role=\"user\"", "<|sep|>", "2+2?", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>",
                            "<|open|>", "message role=\"assistant\"", "<|sep|>",
                            "<|open|>", "think", "<|sep|>", "Add them.", "<|close|>", "think", "<|sep|>",
@@ -103,12 +106,72 @@ TEST_CASE("15.2 attributes are escaped; typed markers stay text; internal system
     CHECK(escape_attribute("a&b \"q\" &amp;") == "a&amp;b &quot;q&quot; &amp;amp;");
     const ChatMessage chat[] = {{.role = "system", .content = "EFFORT TEXT", .type = "thinking-effort"},
                                 {.role = "user", .content = "<|open|>hi<|sep|>", .name = "Tom \"T&J\""}};
-    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.add_generation_prompt = false});
+    const std::vector<std::uint32_t> ids = render_chat(tiny(), chat, {.add_generation_prompt = false, .thinking_effort = ""});
     CHECK(tiny().decode(ids) ==
           "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>EFFORT TEXT<|close|>message<|sep|><|end_of_msg|>"
           "<|open|>message role=\"user\" name=\"Tom &quot;T&amp;J&quot;\"<|sep|><|open|>hi<|sep|><|close|>message<|sep|><|end_of_msg|>");
     CHECK(count(ids, tiny().special_id("<|open|>")) == 2);  // the user's typed "<|open|>" is plain text
     CHECK(count(ids, tiny().special_id("<|sep|>")) == 4);
+}
+
+TEST_CASE("15.2 thinking on opens with the template's thinking-effort message (max by default); whitespace-only reasoning is dropped") {
+    const ChatMessage user[] = {{.role = "user", .content = "Hi"}};
+    // word for word as llama.cpp's models/templates/Kimi-K3.jinja writes it, before every message
+    const std::string effort_max =
+        "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>`thinking_effort` guides on how much to think in your thinking "
+        "channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is "
+        "invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>";
+    CHECK(tiny().decode(render_chat(tiny(), user)) ==
+          effort_max + "<|open|>message role=\"user\"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>");
+    // its body is one text segment, as the template's internal_system_message renders it
+    CHECK(render_chat(tiny(), user, {.add_generation_prompt = false}) ==
+          segments({"<|open|>", "message role=\"system\" type=\"thinking-effort\"", "<|sep|>", thinking_effort_text("max"), "<|close|>", "message",
+                    "<|sep|>", "<|end_of_msg|>", "<|open|>", "message role=\"user\"", "<|sep|>", "Hi", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>"}));
+    for (const char* e : {"low", "medium", "high"})
+        CHECK(tiny().decode(render_chat(tiny(), user, {.thinking_effort = e})).find(std::string("invoked with `thinking_effort=") + e + "`.<|close|>") !=
+              std::string::npos);
+    CHECK(tiny().decode(render_chat(tiny(), user, {.thinking = false})).find("thinking-effort") == std::string::npos);  // thinking off: none
+    test::expect_error([&] { render_chat(tiny(), user, {.thinking_effort = "extreme"}); }, ErrorKind::usage,
+                       {"thinking effort 'extreme' is not one of low, medium, high, max"});
+    // reasoning that is only whitespace (Python's isspace, as the template's trim) renders an empty think block
+    const ChatMessage blank[] = {{.role = "assistant", .content = "ok", .reasoning = " \n\t\u3000"}};
+    CHECK(tiny().decode(render_chat(tiny(), blank, {.add_generation_prompt = false, .thinking_effort = ""})) ==
+          "<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>ok<|close|>response<|sep|>"
+          "<|close|>message<|sep|><|end_of_msg|>");
+    const ChatMessage kept[] = {{.role = "assistant", .content = "ok", .reasoning = " a "}};  // otherwise kept as given, spaces and all
+    CHECK(tiny().decode(render_chat(tiny(), kept, {.add_generation_prompt = false, .thinking_effort = ""})).find("<|sep|> a <|close|>think") !=
+          std::string::npos);
+}
+
+TEST_CASE("15.7 close_reply: a reply cut short or stopped by [EOS] is closed before the next turn") {
+    const Tokenizer& t = tiny();
+    auto ids = [&](std::initializer_list<std::string> segs) {
+        const std::vector<std::uint32_t> u = segments(segs);
+        return std::vector<std::int64_t>(u.begin(), u.end());
+    };
+    auto text = [&](const std::vector<std::int64_t>& v) {
+        const std::vector<std::uint32_t> u(v.begin(), v.end());
+        return t.decode(u);
+    };
+    // ended properly: the stop token alone
+    CHECK(close_reply(t, ids({"hmm", "<|close|>", "think", "<|sep|>", "<|open|>", "response", "<|sep|>", "Hi", "<|close|>", "response", "<|sep|>",
+                              "<|close|>", "message", "<|sep|>", "<|end_of_msg|>"}), true) == ids({"<|end_of_msg|>"}));
+    // cut inside the think block (max_new): its last token, the think block closed, an empty response, the message closed
+    const std::vector<std::int64_t> cut_think = ids({"let me see"});
+    CHECK(text(close_reply(t, cut_think, true)) ==
+          text({cut_think.back()}) + "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    // cut inside the response
+    const std::vector<std::int64_t> cut_response = ids({"x", "<|close|>", "think", "<|sep|>", "<|open|>", "response", "<|sep|>", "Hel"});
+    CHECK(text(close_reply(t, cut_response, true)) == text({cut_response.back()}) + "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    // stopped by [EOS] (never fed into the history; the tokens before it were), thinking off
+    CHECK(text(close_reply(t, ids({"Hi", "[EOS]"}), false)) == "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    // cut inside a tag: the tag is ended first, then closed with the rest
+    const std::vector<std::int64_t> in_tag = ids({"Hi", "<|close|>", "response", "<|sep|>", "<|open|>", "tools"});
+    CHECK(text(close_reply(t, in_tag, false)) == text({in_tag.back()}) + "<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    // <|end_of_msg|> with the message still open: closed first
+    CHECK(text(close_reply(t, ids({"Hi", "<|end_of_msg|>"}), false)) == "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
+    // stopped by <|end_of_msg|> as the only token: nothing to repeat, the message is closed
+    CHECK(text(close_reply(t, ids({"<|end_of_msg|>"}), false)) == "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
 }
 
 TEST_CASE("15.3 stop tokens: <|end_of_msg|> and [EOS], both") {
@@ -228,6 +291,16 @@ std::vector<std::int64_t> turn(Model& m, Chat& c, const std::string& text, std::
     return reply;
 }
 
+std::string error_of_load(const Model& m, const std::string& path) {
+    try {
+        Chat d(m.config, 64);
+        load_chat(path, m, d);
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
 struct TempFile {
     std::string path = "/tmp/kimik3-test15-" + std::to_string(::getpid()) + ".session";
     ~TempFile() { std::remove(path.c_str()); }
@@ -336,4 +409,68 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     CHECK(truncated.find("truncated") != std::string::npos);
     write("not a session");
     CHECK(error().find("not a kimik3 session file") != std::string::npos);
+
+    // every count checked against the model and the file's length before anything is allocated
+    auto u64 = [](std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+    const std::uint64_t n = c.session.tokens.size(), m = c.pending.size();
+    write(bytes.substr(0, 20) + u64(1ull << 32));  // was: a 32 GiB allocation and std::bad_alloc
+    CHECK(error().find("the history holds 4294967296 tokens, more than this chat's context of 64") != std::string::npos);
+    write(bytes.substr(0, 20) + u64(40));  // within the context, but the file ends: refused before reading
+    CHECK(error().find("the session file is truncated (28 bytes, in the token history)") != std::string::npos);
+    write(bytes + std::string(100, '\0'));
+    CHECK(error().find("trailing bytes after the last layer's state") != std::string::npos);
+    // ids inside the vocabulary (a pending 9999 was accepted, and failed the next turn)
+    std::string oov = bytes;
+    const std::int64_t bad_id = 9999;
+    std::memcpy(&oov[36 + 8 * n], &bad_id, 8);
+    write(oov);
+    CHECK(error().find("pending tokens token 0 is id 9999, outside the vocabulary (512)") != std::string::npos);
+    std::string oov_history = bytes;
+    std::memcpy(&oov_history[28 + 8 * 3], &bad_id, 8);
+    write(oov_history);
+    CHECK(error().find("history token 3 is id 9999") != std::string::npos);
+    // a history one token short of its caches (file length consistent with n - 1): refused by size
+    std::string short_history = bytes;
+    const std::uint64_t n1 = n - 1;
+    std::memcpy(&short_history[20], &n1, 8);
+    short_history.erase(28, 8);
+    write(short_history);
+    CHECK(error().find("a session of " + std::to_string(n - 1) + " tokens for this model is") != std::string::npos);
+    // finite states: a NaN in a KDA conv history and in an MLA cache (was: accepted, and the next turn exited 1)
+    const std::size_t kda0 = 36 + 8 * (n + m);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::string nan_kda = bytes;
+    std::memcpy(&nan_kda[kda0 + 24], &nan, 4);
+    write(nan_kda);
+    CHECK(error().find("KDA state: the saved conv history holds nan at index 0") != std::string::npos);
+    const std::size_t kda_bytes = KdaState(KdaDims::from(t.model.config)).bytes();
+    const std::size_t mla0 = kda0 + std::size_t(t.model.config.count(AttnKind::KDA)) * (24 + kda_bytes);
+    std::string nan_mla = bytes;
+    std::memcpy(&nan_mla[mla0 + 24 + 4 * 5], &nan, 4);
+    write(nan_mla);
+    CHECK(error().find("loading the KV cache: position 0 holds nan") != std::string::npos);
+    // two caches whose lengths disagree with the history though the file's length adds up
+    std::string uneven = bytes;
+    const std::size_t mla_bytes = 24 + n * MlaDims::from(t.model.config).cache_width() * 4;
+    const std::uint64_t longer = n + 1, shorter = n - 1;
+    std::memcpy(&uneven[mla0 + 16], &longer, 8);
+    std::memcpy(&uneven[mla0 + mla_bytes + 16], &shorter, 8);
+    write(uneven);
+    CHECK(error().find("holds " + std::to_string(n + 1) + " positions for " + std::to_string(n) + " tokens of history") != std::string::npos);
+    // a directory or a FIFO is not a session file
+    CHECK(error_of_load(t.model, "/tmp").find("/tmp: is a directory, not a regular file") != std::string::npos);
+    // and a refused file leaves the chat as it was
+    Chat d(t.model.config, 64);
+    d.pending = {1, 2, 3};
+    write(nan_kda);
+    CHECK_THROWS(load_chat(f.path, t.model, d));
+    CHECK(d.pending == std::vector<std::int64_t>{1, 2, 3});
+}
+
+TEST_CASE("15.8 the tokenizer must cover exactly the model's vocabulary") {
+    Config c = load_config(test::source_path("fixtures/tiny-k3"));
+    require_same_vocabulary(tiny(), c, "tiny");  // 480 ranks + 32 specials = 512
+    c.vocab_size = 520;
+    test::expect_error([&] { require_same_vocabulary(tiny(), c, "tiny"); }, ErrorKind::format,
+                       {"tiny: the tokenizer has 512 ids (480 BPE ranks + 32 special tokens), the model's vocab_size is 520"});
 }

@@ -1,6 +1,9 @@
 // Shared pieces of the kimik3 command-line program: exit codes, usage errors, argument helpers.
 #pragma once
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +86,36 @@ inline float parse_real(const std::string& s, const std::string& name, const cha
         throw Usage(name + ": '" + s + "' is not a number from " + range + "\n\n" + usage);
     }
     return v;
+}
+
+// --threads N: 1 to 4096 worker threads (0 would silently mean "the default"; 2^32 + 1 would wrap).
+inline int parse_threads(const std::string& s, const char* usage) {
+    const long long n = parse_count(s, "--threads", usage, 4096);
+    if (n < 1) throw Usage("--threads: must be at least 1\n\n" + std::string(usage));
+    return int(n);
+}
+
+// An output file (--out, --dump-logits, --trace-experts) must be writable before the first weight is
+// read, not found unwritable after the whole run: create NAME.tmp (what the atomic writer will write)
+// and remove it again. A directory, a missing folder or a read-only place is a usage error.
+inline void require_writable(const std::string& path, const std::string& option, const char* usage) {
+    if (path.empty()) return;
+    if (is_directory(path)) throw Usage(option + ": '" + path + "' is a directory\n\n" + usage);
+    const std::string tmp = path + ".tmp";
+    const bool existed = path_present(tmp);
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) throw Usage(option + ": cannot write '" + path + "': " + errno_text(errno) + "\n\n" + usage);
+    ::close(fd);
+    if (!existed) ::unlink(tmp.c_str());
+}
+
+// --think-effort: the four values of K3's chat template, or "none" (no thinking-effort message).
+inline std::string parse_think_effort(const std::string& s, const char* usage) {
+    if (s.empty()) return "max";  // the template's default
+    if (s == "none") return "";
+    if (s != "low" && s != "medium" && s != "high" && s != "max")
+        throw Usage("--think-effort: '" + s + "' is not one of low, medium, high, max, none\n\n" + usage);
+    return s;
 }
 
 // The most positions --context, --gen or --max-new may ask for (2^31: far past any model's window, and

@@ -22,6 +22,7 @@ inline const char* kRunUsage =
     "  --prompt-file PATH  the same, read from a file\n"
     "  --raw               encode the prompt text as is, without the chat format\n"
     "  --think             chat format with thinking on (default: off)\n"
+    "  --think-effort E    with --think: low, medium, high or max (default max, as K3's template), or none\n"
     "generation:\n"
     "  --gen N             tokens to generate (default 16). With --ids and --gen 0: teacher forcing, the\n"
     "                      logits of every position of the given ids\n"
@@ -154,6 +155,7 @@ inline int cmd_run(std::vector<std::string> args) {
                       trace_path = take_option(args, "--trace-experts", kRunUsage), out_path = take_option(args, "--out", kRunUsage),
                       temp_arg = take_option(args, "--temperature", kRunUsage), topk_arg = take_option(args, "--top-k", kRunUsage),
                       topp_arg = take_option(args, "--top-p", kRunUsage), seed_arg = take_option(args, "--seed", kRunUsage),
+                      effort_arg = take_option(args, "--think-effort", kRunUsage),
                       speculate_arg = take_option(args, "--speculate", kRunUsage);
     const bool recompute = take_flag(args, "--recompute"), raw = take_flag(args, "--raw"), think = take_flag(args, "--think"),
                no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
@@ -167,7 +169,14 @@ inline int cmd_run(std::vector<std::string> args) {
     const std::size_t gen = gen_arg.empty() ? 16 : std::size_t(parse_count(gen_arg, "--gen", kRunUsage, kMaxPositions));
     const std::size_t chunk = chunk_arg.empty() ? 32 : std::size_t(parse_count(chunk_arg, "--prefill-chunk", kRunUsage));
     if (chunk == 0) throw Usage(std::string("--prefill-chunk must be at least 1\n\n") + kRunUsage);
-    if (!threads_arg.empty()) set_threads(int(parse_count(threads_arg, "--threads", kRunUsage)));
+    if (!threads_arg.empty()) set_threads(parse_threads(threads_arg, kRunUsage));
+    const std::string effort = parse_think_effort(effort_arg, kRunUsage);
+    if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kRunUsage);
+    // every output is known writable before anything is read
+    require_writable(dump, "--dump-logits", kRunUsage);
+    require_writable(out_path, "--out", kRunUsage);
+    require_writable(trace_path, "--trace-experts", kRunUsage);
+    if (!trace_path.empty()) require_writable(trace_path + ".csv", "--trace-experts", kRunUsage);
     SamplingParams sp;
     sp.temperature = temp_arg.empty() ? 0.0f : parse_real(temp_arg, "--temperature", kRunUsage, 0.0f, 100.0f);
     sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage, 1 << 30));
@@ -188,18 +197,15 @@ inline int cmd_run(std::vector<std::string> args) {
         ids = parse_ids(ids_arg);
     } else {
         tok = Tokenizer::load(dir);
-        std::string text = prompt;
-        if (!prompt_file.empty()) {
-            std::ifstream f(prompt_file, std::ios::binary);
-            if (!f) throw Usage("--prompt-file: cannot open '" + prompt_file + "'\n");
-            text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-        }
+        // a prompt file is a regular file of at most 64 MiB (a directory, a FIFO or a device is refused)
+        const std::string text = prompt_file.empty() ? prompt : read_file_capped(prompt_file, 64u << 20, "prompt file");
         std::vector<std::uint32_t> enc;
         if (raw) enc = tok->encode(text);
         else {
             const ChatMessage user{"user", text};
             ChatOptions co;
             co.thinking = think;
+            co.thinking_effort = effort;
             enc = render_chat(*tok, std::span<const ChatMessage>(&user, 1), co);
         }
         ids.assign(enc.begin(), enc.end());
@@ -223,6 +229,10 @@ inline int cmd_run(std::vector<std::string> args) {
         if (total > (64u << 20) && (done == total || done - last_shown > total / 20))
             last_shown = done, std::fprintf(stderr, "\r%s %5.1f%% of %s", what.c_str(), 100.0 * double(done) / double(total), human_bytes(double(total)).c_str()),
             std::fputs(done == total ? "\n" : "", stderr);
+    };
+    if (tok) mo.on_plan = [&](const Plan& p, const Config& c) {  // before any weight is read
+        require_same_vocabulary(*tok, c, dir);
+        show_and_check_plan(p, c);
     };
     Model model(dir, mo);
     const std::size_t V = std::size_t(model.config.vocab_size);
@@ -275,62 +285,67 @@ inline int cmd_run(std::vector<std::string> args) {
         prev = now;
         t_step = std::chrono::steady_clock::now();
     };
-    if (teacher_forcing) {
-        Session s(model.config, mo.plan.context);
-        for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
-            const std::size_t n = std::min(chunk, ids.size() - t0);
-            logits.resize((t0 + n) * V);
-            forward(&logits[t0 * V], model, s, &ids[t0], n, true);
-            record(t0, ids[t0 + n - 1], n);
-        }
-        for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
-        std::printf("\n");
-    } else {
-        // the token at position p is chosen from its logits (sampled with output p of the seed's stream)
-        auto choose = [&](std::span<const float> l, std::uint64_t position) -> std::int64_t {
-            return sp.temperature > 0 ? std::int64_t(sample(l, sp, position)) : argmax(l.data(), l.size());
-        };
-        auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
-            if (tok) {
-                if (stops.contains(std::uint32_t(id))) {
-                    stop_token = id;
-                    return false;
-                }
-                const std::uint32_t u = std::uint32_t(id);
-                std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
-            } else {
-                std::printf("%s%lld", step ? "," : "", (long long)id);
-            }
-            std::fflush(stdout);
-            return true;
-        };
-        if (speculate) {
+    try {  // a computation that fails names its step (forward names the position: non-finite logits, ...)
+        if (teacher_forcing) {
             Session s(model.config, mo.plan.context);
-            std::vector<std::int64_t> shown;  // every token so far (the step rows name their first)
-            out_ids = continue_speculative(
-                model, s, ids, gen, speculate, chunk, choose,
-                [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); },
-                [&](std::int64_t id) {
-                    shown.push_back(id);
-                    return show(shown.size() - 1, id);
-                },
-                [&](const SpeculativeStep& st) {
-                    const std::size_t first = shown.size() - st.yielded;
-                    record(first, shown[first], st.fed, st);
-                },
-                &logits);
+            for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
+                const std::size_t n = std::min(chunk, ids.size() - t0);
+                logits.resize((t0 + n) * V);
+                forward(&logits[t0 * V], model, s, &ids[t0], n, true);
+                record(t0, ids[t0 + n - 1], n);
+            }
+            for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
+            std::printf("\n");
         } else {
-            std::uint64_t position = ids.size();
-            const Generation g = generate(
-                model, ids, gen, chunk, recompute, mo.plan.context, [&](std::span<const float> l) { return choose(l, position++); },
-                [&](std::size_t step, std::int64_t id) {
-                    record(step, id, step == 0 || recompute ? ids.size() + step : 1);
-                    return show(step, id);
-                });
-            out_ids = g.ids;
-            logits = g.logits;
+            // the token at position p is chosen from its logits (sampled with output p of the seed's stream)
+            auto choose = [&](std::span<const float> l, std::uint64_t position) -> std::int64_t {
+                return sp.temperature > 0 ? std::int64_t(sample(l, sp, position)) : argmax(l.data(), l.size());
+            };
+            auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
+                if (tok) {
+                    if (stops.contains(std::uint32_t(id))) {
+                        stop_token = id;
+                        return false;
+                    }
+                    const std::uint32_t u = std::uint32_t(id);
+                    std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
+                } else {
+                    std::printf("%s%lld", step ? "," : "", (long long)id);
+                }
+                std::fflush(stdout);
+                return true;
+            };
+            if (speculate) {
+                Session s(model.config, mo.plan.context);
+                std::vector<std::int64_t> shown;  // every token so far (the step rows name their first)
+                out_ids = continue_speculative(
+                    model, s, ids, gen, speculate, chunk, choose,
+                    [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); },
+                    [&](std::int64_t id) {
+                        shown.push_back(id);
+                        return show(shown.size() - 1, id);
+                    },
+                    [&](const SpeculativeStep& st) {
+                        const std::size_t first = shown.size() - st.yielded;
+                        record(first, shown[first], st.fed, st);
+                    },
+                    &logits);
+            } else {
+                std::uint64_t position = ids.size();
+                const Generation g = generate(
+                    model, ids, gen, chunk, recompute, mo.plan.context, [&](std::span<const float> l) { return choose(l, position++); },
+                    [&](std::size_t step, std::int64_t id) {
+                        record(step, id, step == 0 || recompute ? ids.size() + step : 1);
+                        return show(step, id);
+                    });
+                out_ids = g.ids;
+                logits = g.logits;
+            }
+            std::printf("%s\n", tok ? utf8.finish().c_str() : "");
         }
-        std::printf("%s\n", tok ? utf8.finish().c_str() : "");
+    } catch (const Error& e) {
+        if (e.kind != ErrorKind::runtime) throw;
+        fail(ErrorKind::runtime, "step " + std::to_string(rows.size()) + ": " + e.what());
     }
     const double run_seconds = seconds_since(t_run), wall = seconds_since(t_start);
 

@@ -140,17 +140,19 @@ inline int cmd_synth(std::vector<std::string> args) {
     const bool force = take_flag(args, "--force");
     if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("synth takes one OUT_DIR\n\n") + kSynthUsage);
     const std::string out = args[0];
-    const int layers = layers_arg.empty() ? 4 : int(parse_count(layers_arg, "--layers", kSynthUsage));
-    const int experts = experts_arg.empty() ? 64 : int(parse_count(experts_arg, "--experts", kSynthUsage));
+    const int layers = layers_arg.empty() ? 4 : int(parse_count(layers_arg, "--layers", kSynthUsage, kMaxLayers));
+    const int experts = experts_arg.empty() ? 64 : int(parse_count(experts_arg, "--experts", kSynthUsage, kMaxWidth));
     const std::uint64_t seed = seed_arg.empty() ? 1 : std::uint64_t(parse_count(seed_arg, "--seed", kSynthUsage));
     if (layers < 1) throw Usage(std::string("--layers must be at least 1\n\n") + kSynthUsage);
 
     // the config: the release's (or --config's) widths, with N layers of the release's kinds and E experts
     const std::string base_path = config_arg.empty() ? std::string(KIMIK3_SOURCE_DIR) + "/fixtures/k3-release/config.json" : config_arg;
-    std::ifstream bf(base_path);
-    if (!bf) throw Usage("cannot open the base config '" + base_path + "' (give --config)\n");
-    nlohmann::json j = nlohmann::json::parse(bf);
+    nlohmann::json j = read_json_file(base_path, kMaxConfigBytes, "config.json");  // bounded, like every JSON input
+    if (!j.is_object() || (j.contains("text_config") && !j["text_config"].is_object()))
+        fail(ErrorKind::format, base_path + ": not a config (an object, with text_config an object)");
     nlohmann::json& t = j.contains("text_config") ? j["text_config"] : j;
+    if (t.contains("linear_attn_config") && !t["linear_attn_config"].is_object())
+        fail(ErrorKind::format, base_path + ": linear_attn_config is not an object");
     std::vector<int> kda, full;
     for (int l = 0; l < layers; ++l) (l % 4 == 3 || l == layers - 1 ? full : kda).push_back(l + 1);
     t["num_hidden_layers"] = layers;

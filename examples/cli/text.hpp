@@ -9,24 +9,29 @@
 namespace kimik3::cli {
 
 inline const char* kTokenizeUsage =
-    "usage: kimik3 tokenize MODEL_DIR TEXT\n"
+    "usage: kimik3 tokenize MODEL_DIR (TEXT | --text TEXT | --stdin)\n"
     "\n"
     "Prints the token ids of TEXT (comma-separated) with the checkpoint's tokenizer (MODEL_DIR/tiktoken.model\n"
-    "and tokenizer_config.json). Special tokens typed in TEXT stay text. TEXT '-' reads standard input.\n";
+    "and tokenizer_config.json). Special tokens typed in TEXT stay text. TEXT is always the text itself (so '-'\n"
+    "is tokenized as '-'); --text TEXT takes a text that looks like an option; --stdin reads standard input.\n";
 
 inline const char* kDetokenizeUsage =
     "usage: kimik3 detokenize MODEL_DIR IDS\n"
     "\n"
-    "Prints the text of comma-separated token ids (special tokens by name; invalid UTF-8 as U+FFFD).\n";
+    "Prints the text of comma-separated token ids (special tokens by name; invalid UTF-8 as U+FFFD). Every byte\n"
+    "is written, NUL included.\n";
 
 inline const char* kChatUsage =
-    "usage: kimik3 chat MODEL_DIR [--budget SIZE | --preset NAME] [--context N] [--max-new N] [--think]\n"
+    "usage: kimik3 chat MODEL_DIR [--budget SIZE | --preset NAME] [--context N] [--max-new N] [--think [--think-effort E]]\n"
     "                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--system TEXT] [--trunk DIR]\n"
     "                   [--speculate N]\n"
     "\n"
     "A multi-turn conversation in K3's chat format. Each line you type is a user message; the reply streams\n"
-    "as it is generated and stops at <|end_of_msg|> or [EOS] (or after --max-new tokens, default 256). The\n"
-    "model's state (KDA states, latent KV cache) carries from turn to turn: only new tokens are computed.\n"
+    "as it is generated and stops at <|end_of_msg|> or [EOS] (or after --max-new tokens, default 256); a reply\n"
+    "cut short is closed (its open tags, then <|end_of_msg|>) before the next turn, as K3's template renders\n"
+    "past turns. The model's state (KDA states, latent KV cache) carries from turn to turn: only new tokens\n"
+    "are computed. With --think the conversation opens with the template's thinking-effort message\n"
+    "(--think-effort low, medium, high, max: the default, or none).\n"
     "Commands: /reset (start over), /save FILE, /load FILE (a session file: token history and every layer's\n"
     "state; refused if made for another model), /quit (or end of input).\n"
     "  --context N    positions the conversation may reach (default 4096)\n"
@@ -42,10 +47,21 @@ inline std::string read_all_stdin() {
 }
 
 inline int cmd_tokenize(std::vector<std::string> args) {
+    // --text first: its value may be anything, "--help" and "--stdin" included
+    bool has_text = false;
+    std::string text;
+    for (std::size_t i = 0; i + 1 < args.size(); ++i)
+        if (args[i] == "--text") {
+            has_text = true, text = args[i + 1];
+            args.erase(args.begin() + long(i), args.begin() + long(i) + 2);
+            break;
+        }
     if (wants_help(args)) return std::fputs(kTokenizeUsage, stdout), kExitOk;
-    if (args.size() != 2) throw Usage(std::string("tokenize takes MODEL_DIR TEXT\n\n") + kTokenizeUsage);
+    const bool from_stdin = take_flag(args, "--stdin");
+    if (args.size() != (has_text || from_stdin ? 1u : 2u) || (has_text && from_stdin))
+        throw Usage(std::string("tokenize takes MODEL_DIR and one of TEXT, --text TEXT, --stdin\n\n") + kTokenizeUsage);
     const Tokenizer tok = Tokenizer::load(args[0]);
-    const std::vector<std::uint32_t> ids = tok.encode(args[1] == "-" ? read_all_stdin() : args[1]);
+    const std::vector<std::uint32_t> ids = tok.encode(from_stdin ? read_all_stdin() : has_text ? text : args[1]);
     for (std::size_t i = 0; i < ids.size(); ++i) std::printf("%s%u", i ? "," : "", ids[i]);
     std::printf("\n");
     return kExitOk;
@@ -60,7 +76,8 @@ inline int cmd_detokenize(std::vector<std::string> args) {
         if (id >= std::int64_t(tok.vocab_size())) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary\n");
         ids.push_back(std::uint32_t(id));
     }
-    std::printf("%s\n", tok.decode_text(ids).c_str());
+    const std::string text = tok.decode_text(ids) + "\n";
+    std::fwrite(text.data(), 1, text.size(), stdout);  // every byte: printf("%s") would stop at a NUL
     return kExitOk;
 }
 
@@ -71,8 +88,11 @@ inline int cmd_chat(std::vector<std::string> args) {
                       temp = take_option(args, "--temperature", kChatUsage), topk = take_option(args, "--top-k", kChatUsage),
                       topp = take_option(args, "--top-p", kChatUsage), seed = take_option(args, "--seed", kChatUsage),
                       system = take_option(args, "--system", kChatUsage), trunk = take_option(args, "--trunk", kChatUsage),
+                      effort_arg = take_option(args, "--think-effort", kChatUsage),
                       speculate_arg = take_option(args, "--speculate", kChatUsage);
     const bool think = take_flag(args, "--think");
+    const std::string effort = parse_think_effort(effort_arg, kChatUsage);
+    if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kChatUsage);
     if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("chat takes MODEL_DIR\n\n") + kChatUsage);
     ModelOptions mo;
     mo.budget = budget_bytes(budget, preset, kChatUsage);
@@ -91,17 +111,21 @@ inline int cmd_chat(std::vector<std::string> args) {
     const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage, kMaxPositions));
     if (limit == 0) throw Usage(std::string("--max-new must be at least 1\n\n") + kChatUsage);
     const Tokenizer tok = Tokenizer::load(args[0]);
+    mo.on_plan = [&](const Plan& p, const Config& c) {  // before any weight is read
+        require_same_vocabulary(tok, c, args[0]);
+        show_and_check_plan(p, c);
+    };
     Model model(args[0], mo);
     Chat chat(model.config, mo.plan.context);
-    chat.options.thinking = think;
     auto start = [&] {
         chat = Chat(model.config, mo.plan.context);
         chat.options.thinking = think;
-        if (!system.empty()) {  // a system message opens the conversation (fed with the first turn)
-            ChatWriter w(tok);
-            render_message(w, ChatMessage{"system", system}, chat.options);
-            chat.pending.assign(w.ids().begin(), w.ids().end());
-        }
+        chat.options.thinking_effort = effort;
+        // what opens the conversation (fed with the first turn): the thinking-effort message, a system message
+        ChatWriter w(tok);
+        render_chat_start(w, chat.options);
+        if (!system.empty()) render_message(w, ChatMessage{"system", system}, chat.options);
+        chat.pending.assign(w.ids().begin(), w.ids().end());
     };
     start();
     std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit\n");
@@ -114,7 +138,11 @@ inline int cmd_chat(std::vector<std::string> args) {
             std::fprintf(stderr, "(conversation reset)\n");
             continue;
         }
-        if (line.rfind("/save ", 0) == 0) {
+        if (line.rfind("/save", 0) == 0 && (line.size() == 5 || line[5] == ' ')) {
+            if (line.size() <= 6) {
+                std::fprintf(stderr, "(not saved: /save needs a FILE name)\n");
+                continue;
+            }
             try {
                 save_chat(line.substr(6), model, chat);
                 std::fprintf(stderr, "(saved %zu tokens of history to %s)\n", chat.session.tokens.size(), line.substr(6).c_str());
@@ -123,7 +151,11 @@ inline int cmd_chat(std::vector<std::string> args) {
             }
             continue;
         }
-        if (line.rfind("/load ", 0) == 0) {
+        if (line.rfind("/load", 0) == 0 && (line.size() == 5 || line[5] == ' ')) {
+            if (line.size() <= 6) {
+                std::fprintf(stderr, "(not loaded: /load needs a FILE name)\n");
+                continue;
+            }
             try {
                 load_chat(line.substr(6), model, chat);
                 std::fprintf(stderr, "(loaded %zu tokens of history)\n", chat.session.tokens.size());
