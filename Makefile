@@ -170,6 +170,10 @@ debug-cli: deps
 # build/fuzz/corpus/NAME between runs. Built with clang++ (libFuzzer).
 FUZZ_CXX     ?= clang++
 FUZZ_TIME    ?= 20
+# FUZZ_RUNS=N: each target runs N inputs from libFuzzer's seed 1 instead (FUZZ_TIME still bounds it), so
+# a run is the same inputs on every machine: CI uses it as a regression check, not a lottery.
+FUZZ_RUNS    ?=
+FUZZ_LIMIT    = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS) -seed=1 -max_total_time=$(FUZZ_TIME),-max_total_time=$(FUZZ_TIME))
 FUZZ_TARGETS := header index config tokenizer chat session
 FUZZ_BINS    := $(patsubst %,build/fuzz/fuzz_%,$(FUZZ_TARGETS))
 FUZZ_FLAGS   := -std=c++20 -O1 -g -ffp-contract=off -pthread $(ARCH) -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
@@ -192,8 +196,8 @@ fuzz: deps fuzz-deps $(FUZZ_BINS)
 	@for t in $(FUZZ_TARGETS); do \
 	  mkdir -p build/fuzz/corpus/$$t; \
 	  KIMIK3_FUZZ_SEEDS=build/fuzz/corpus/$$t build/fuzz/fuzz_$$t || exit 1; \
-	  echo "  fuzz $$t: $(FUZZ_TIME) s"; \
-	  build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_TIME) -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+	  echo "  fuzz $$t: $(if $(FUZZ_RUNS),$(FUZZ_RUNS) inputs from seed 1 (at most $(FUZZ_TIME) s),$(FUZZ_TIME) s)"; \
+	  build/fuzz/fuzz_$$t $(FUZZ_LIMIT) -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
 	    -dict=tests/fuzz/json.dict -artifact_prefix=build/fuzz/ -print_final_stats=1 build/fuzz/corpus/$$t \
 	    > build/fuzz/$$t.log 2>&1 || { tail -40 build/fuzz/$$t.log; echo "fuzz $$t FAILED (log: build/fuzz/$$t.log)"; exit 1; }; \
 	  grep -E "^stat::number_of_executed_units|^stat::new_units_added" build/fuzz/$$t.log | tr '\n' ' '; echo; \

@@ -1,11 +1,14 @@
 // make bench-serve: what kimik3 serve costs over kimik3 run, and what state reuse saves. A measurement,
 // never part of make test. Needs node (18+) and a built kimik3.
 //
-//   node bench/serve_bench.mjs KIMIK3 MODEL_DIR [--gen 64] [--reps 5] [--turn-words 600] [--budget SIZE]
+//   node bench/serve_bench.mjs KIMIK3 MODEL_DIR [--gen 64] [--reps 5] [--turn-words 600] [--budget SIZE] [--threads N]
 //
 // 1. per token: `kimik3 run --prompt P --gen G` (its per-step table: the engine's own time) against the
 //    same greedy request streamed through the server and timed at the client (first token chunk, then
-//    each further chunk): time to first token and tokens/s, medians of --reps.
+//    each further chunk): time to first token and tokens/s, medians of --reps. The server's own decode
+//    time (its timings) splits the difference into the engine inside the server and what the HTTP side
+//    and the client add. The client (node) runs on the same machine: on 2 cores it competes with the
+//    engine's threads, which --threads 1 avoids.
 // 2. state reuse: a second turn after a long first one (--turn-words words of user text), timed when
 //    the server reuses the first turn (cached_tokens > 0) and when it must recompute the whole
 //    conversation (an unrelated request in between drops the state).
@@ -18,11 +21,11 @@ const argv = process.argv.slice(2);
 const [bin, model] = argv;
 const opt = (name, dflt) => { const i = argv.indexOf(name); return i >= 0 ? argv[i + 1] : dflt; };
 const gen = Number(opt("--gen", 64)), reps = Number(opt("--reps", 5)), turnWords = Number(opt("--turn-words", 600));
-const budget = opt("--budget", null);
+const budget = opt("--budget", null), threads = opt("--threads", null);
 const median = (v) => { const s = [...v].sort((a, b) => a - b); return s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2; };
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "kimik3-bench-serve-"));
 const prompt = "Tell me about the experts of Kimi K3.";
-const extra = budget ? ["--budget", budget] : [];
+const extra = [...(budget ? ["--budget", budget] : []), ...(threads ? ["--threads", threads] : [])];
 
 // ---- kimik3 run ---------------------------------------------------------------------------------------
 const runTtft = [], runTps = [];
@@ -81,12 +84,13 @@ async function streamed(messages, maxTokens) {
 
 const one = [{ role: "user", content: prompt }];
 await streamed(one, 4);  // warm: the first request pays for first touches
-const srvTtft = [], srvTps = [];
+const srvTtft = [], srvTps = [], srvEngineTps = [];
 for (let r = 0; r < reps; r++) {
   await streamed([{ role: "user", content: "something else " + r }], 2);  // drop the state: no reuse
   const s = await streamed(one, gen);
   srvTtft.push(s.ttft);
   srvTps.push(s.tps);
+  if (s.timings && s.usage.completion_tokens > 1) srvEngineTps.push((s.usage.completion_tokens - 1) / s.timings.decode_seconds);
 }
 
 // ---- state reuse ----------------------------------------------------------------------------------------
@@ -110,11 +114,13 @@ fs.rmSync(tmp, { recursive: true, force: true });
 
 const f = (x, d = 2) => x.toFixed(d);
 const load = fs.readFileSync("/proc/loadavg", "utf8").split(" ").slice(0, 3).join(" ");
-console.log(`model ${model}, ${gen} tokens greedy, medians of ${reps}; load average ${load}`);
+console.log(`model ${model}, ${gen} tokens greedy, medians of ${reps}${threads ? ", " + threads + " thread(s)" : ""}; load average ${load}`);
 console.log(`                      first token (ms)   tokens/s`);
 console.log(`  kimik3 run           ${f(median(runTtft) * 1000).padStart(10)}   ${f(median(runTps), 0).padStart(10)}`);
-console.log(`  kimik3 serve         ${f(median(srvTtft) * 1000).padStart(10)}   ${f(median(srvTps), 0).padStart(10)}`);
-const perTokenRun = 1 / median(runTps), perTokenSrv = 1 / median(srvTps);
-console.log(`  server cost per token: ${f((perTokenSrv - perTokenRun) * 1e6, 1)} us (${f(100 * (perTokenSrv / perTokenRun - 1), 1)}%)`);
+console.log(`  kimik3 serve         ${f(median(srvTtft) * 1000).padStart(10)}   ${f(median(srvTps), 0).padStart(10)}   (at the client)`);
+console.log(`    its engine         ${"".padStart(10)}   ${f(median(srvEngineTps), 0).padStart(10)}   (the server's decode_seconds)`);
+const perTokenRun = 1 / median(runTps), perTokenSrv = 1 / median(srvTps), perTokenEng = 1 / median(srvEngineTps);
+console.log(`  server cost per token: ${f((perTokenSrv - perTokenRun) * 1e6, 1)} us (${f(100 * (perTokenSrv / perTokenRun - 1), 1)}%): ` +
+            `${f((perTokenEng - perTokenRun) * 1e6, 1)} us in its engine loop, ${f((perTokenSrv - perTokenEng) * 1e6, 1)} us between engine and client`);
 console.log(`state reuse: second turn of ${promptLen} prompt tokens, ${cachedSeen} of them reused`);
 console.log(`  time to its first token: ${f(median(reuse) * 1000)} ms reused vs ${f(median(recompute) * 1000)} ms recomputed (${f(median(recompute) / median(reuse), 1)}x)`);
