@@ -5,7 +5,7 @@
 //
 // 1. per token: `kimik3 run --prompt P --gen G` (its per-step table: the engine's own time) against the
 //    same greedy request streamed through the server and timed at the client (first token chunk, then
-//    each further chunk): time to first token and tokens/s, medians of --reps. The server's own decode
+//    each further chunk), alternating run and server request: time to first token and tokens/s, medians of --reps. The server's own decode
 //    time (its timings) splits the difference into the engine inside the server and what the HTTP side
 //    and the client add. The client (node) runs on the same machine: on 2 cores it competes with the
 //    engine's threads, which --threads 1 avoids.
@@ -27,9 +27,9 @@ const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "kimik3-bench-serve-"));
 const prompt = "Tell me about the experts of Kimi K3.";
 const extra = [...(budget ? ["--budget", budget] : []), ...(threads ? ["--threads", threads] : [])];
 
-// ---- kimik3 run ---------------------------------------------------------------------------------------
+// ---- kimik3 run: the engine's own per-step times ------------------------------------------------------
 const runTtft = [], runTps = [];
-for (let r = 0; r < reps; r++) {
+function runOnce() {
   const out = path.join(tmp, "run.json");
   execFileSync(bin, ["run", model, "--prompt", prompt, "--gen", String(gen), "--quiet", "--out", out, ...extra], { stdio: ["ignore", "ignore", "ignore"] });
   const j = JSON.parse(fs.readFileSync(out, "utf8"));
@@ -85,7 +85,9 @@ async function streamed(messages, maxTokens) {
 const one = [{ role: "user", content: prompt }];
 await streamed(one, 4);  // warm: the first request pays for first touches
 const srvTtft = [], srvTps = [], srvEngineTps = [];
+// run and serve alternate, so that a shared machine's drift falls on both alike
 for (let r = 0; r < reps; r++) {
+  runOnce();
   await streamed([{ role: "user", content: "something else " + r }], 2);  // drop the state: no reuse
   const s = await streamed(one, gen);
   srvTtft.push(s.ttft);
