@@ -8,6 +8,7 @@
 // also given as a ratio to a limit measured in the same run: the plain memory-read bandwidth of one
 // thread and of all threads. Nothing here asserts a time: benchmarks measure, tests check.
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -62,8 +63,31 @@ double read_bandwidth(const std::vector<float>& buf, int threads) {
 }
 
 struct Limits {
-    double bw1 = 0, bw2 = 0;
+    double bw1 = 0, bw2 = 0;  // memory read, 1 and 2 threads
+    double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
 };
+
+double l2_bandwidth(int reps) {
+    set_threads(1);
+    std::vector<float> buf(std::size_t(64) << 10, 1.0f);  // 256 kB
+    const int passes = 400;
+    volatile float sink = 0;
+    const double sec = median_seconds(reps, [&] {
+        simd::f32 a0 = simd::splat(0), a1 = a0, a2 = a0, a3 = a0;
+        for (int p = 0; p < passes; ++p)
+            for (std::size_t i = 0; i + 4 * simd::W <= buf.size(); i += 4 * simd::W) {
+                a0 = a0 + simd::load(&buf[i]);
+                a1 = a1 + simd::load(&buf[i + simd::W]);
+                a2 = a2 + simd::load(&buf[i + 2 * simd::W]);
+                a3 = a3 + simd::load(&buf[i + 3 * simd::W]);
+            }
+        float lanes[8];
+        simd::store(lanes, (a0 + a1) + (a2 + a3));
+        sink = lanes[0];
+    });
+    (void)sink;
+    return double(buf.size() * sizeof(float)) * passes / sec;
+}
 
 void row(const char* kernel, const char* path, int threads, double weights, double bytes, double sec, const Limits& lim) {
     const double bw = bytes / sec;
@@ -143,6 +167,46 @@ void bench_mxfp4(const Limits& lim) {
             row("16 experts back to back (w1,w3,w2)", name, threads, double(E) * 3 * w13, double(E * expert_bytes), sec, lim);
         }
     }
+
+    // T tokens against one read of the weights (chunked prefill, speculative verification): the decode is
+    // paid once for all T. Streamed: the w1 matrices of the 16 experts in turn; hot: one expert's w1 again
+    // and again (5.85 MB: in the last-level cache, not in L2).
+    std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072; the fast path of this build)\n");
+    std::printf("  %-8s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "weights", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
+    const std::size_t Tmax = 16;
+    const auto xs = rng.floats(Tmax * L);
+    std::vector<float> yT(Tmax * F), y1(F);
+    bool same = true;
+    for (int threads : {1, 2}) {
+        set_threads(threads);
+        for (const bool hot : {false, true}) {
+            double t1 = 0;
+            for (const std::size_t T : {std::size_t(1), std::size_t(4), std::size_t(16)}) {
+                const double sec = median_seconds(g_reps, [&] {
+                    for (std::size_t e = 0; e < E; ++e) {
+                        const std::size_t m = hot ? 0 : e;
+                        matmul_mxfp4(yT.data(), xs.data(), mat(m, 0), mat(m, 0) + p13, T, F, L);
+                    }
+                }) / double(E);
+                if (T == 1) t1 = sec;
+                const double bytes = double(p13 + s13), bw = bytes / sec;
+                char label[16];
+                std::snprintf(label, sizeof label, "T = %zu", T);
+                std::printf("  %-8s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n", label,
+                            hot ? "hot" : "stream", threads, sec * 1e3, double(F * L) / sec / 1e9, sec / t1,
+                            bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
+                std::fflush(stdout);
+                // each token's row must be the matvec's, bit for bit
+                for (std::size_t t = 0; t < T; ++t) {
+                    matmul_mxfp4(y1.data(), xs.data() + t * L, mat(hot ? 0 : E - 1, 0), mat(hot ? 0 : E - 1, 0) + p13, 1, F, L);
+                    same = same && std::equal(y1.begin(), y1.end(), yT.begin() + long(t * F), [](float a, float b) {
+                               return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+                           });
+                }
+            }
+        }
+    }
+    std::printf("  every token's row of the T-token matmul equals its matvec bit for bit: %s\n", same ? "yes" : "NO");
 }
 
 }  // namespace
@@ -162,14 +226,15 @@ int main(int argc, char** argv) {
     }
     std::printf("kimik3-bench: SIMD %s (%d floats), %d threads available, median of %d runs\n", simd::arch_name(), simd::W,
                 max_threads(), g_reps);
-    std::printf("\nmachine limits, measured now: plain read of a 512 MB buffer\n");
+    std::printf("\nmachine limits, measured now: plain read of a 512 MB buffer (memory), and of 256 kB (L2)\n");
     Limits lim;
     {
         std::vector<float> buf(std::size_t(128) << 20, 1.0f);
         lim.bw1 = read_bandwidth(buf, 1);
         lim.bw2 = read_bandwidth(buf, 2);
     }
-    std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9);
+    lim.l2 = l2_bandwidth(g_reps);
+    std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n  L2 (256 kB, 1 thread) %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9, lim.l2 / 1e9);
     if (only.empty() || only == "bf16") bench_bf16(lim);
     if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
     if (only.empty() || only == "kda") {
