@@ -168,8 +168,8 @@ void bench_mxfp4(const Limits& lim) {
         }
     }
 
-    // T tokens against one read of the weights (chunked prefill, speculative verification): the decode is
-    // paid once for all T. Streamed: the w1 matrices of the 16 experts in turn; hot: one expert's w1 again
+    // T tokens against one read of the weights (chunked prefill, speculative verification): each weight
+    // is decoded once per group of up to 4 tokens (chapter 05's tokens kernels). Streamed: the w1 matrices of the 16 experts in turn; hot: one expert's w1 again
     // and again (5.85 MB: in the last-level cache, not in L2).
     std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072; the fast path of this build)\n");
     std::printf("  %-8s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "weights", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
@@ -181,7 +181,7 @@ void bench_mxfp4(const Limits& lim) {
         set_threads(threads);
         for (const bool hot : {false, true}) {
             double t1 = 0;
-            for (const std::size_t T : {std::size_t(1), std::size_t(4), std::size_t(16)}) {
+            for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(4), std::size_t(16)}) {
                 const double sec = median_seconds(g_reps, [&] {
                     for (std::size_t e = 0; e < E; ++e) {
                         const std::size_t m = hot ? 0 : e;

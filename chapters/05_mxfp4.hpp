@@ -198,77 +198,65 @@ inline std::uint32_t load_word(const std::uint8_t* p) {
     return w;
 }
 
-template <int R, int NT>
-inline void mxfp4_block_simd(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
-                             const std::uint8_t* packed, const std::uint8_t* scales, std::size_t cols) {
-    // y (NT, stride) at row 0, x (NT, in), packed (R, in/2), scales (R, in/32)
+template <int NT>
+inline void mxfp4_row_simd(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                           const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+    // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
     constexpr int A = simd::kBatchesPer16;  // registers per 16 lanes
     constexpr int PerWord = 8 / simd::W;    // registers one 8-code word fills
     simd::u32 shift[PerWord];
     for (int k = 0; k < PerWord; ++k) shift[k] = nibble_shifts(k * simd::W);
-    simd::f32 acc[R][NT][A];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t)
-            for (int a = 0; a < A; ++a) acc[r][t][a] = simd::splat(0.0f);
+    simd::f32 acc[NT][A];
+    for (int t = 0; t < NT; ++t)
+        for (int a = 0; a < A; ++a) acc[t][a] = simd::splat(0.0f);
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {            // one MX block: 32 columns, 4 words
-        simd::f32 w[R][4 * PerWord];                                // the block's 32 weights per row
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-            const std::uint8_t* prow = packed + std::size_t(r) * (cols / 2) + b * (kMxBlock / 2);
-            const simd::f32 scale = simd::splat(kE8M0.value[scales[std::size_t(r) * (cols / kMxBlock) + b]]);
-            KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
-                const simd::u32 bits = simd::splat_u32(load_word(prow + 4 * word));
-                KIMIK3_UNROLL for (int k = 0; k < PerWord; ++k)
-                    w[r][word * PerWord + k] = decode_e2m1(bits >> shift[k]) * scale;
-            }
+        simd::f32 w[4 * PerWord];                                   // the block's 32 weights
+        const simd::f32 scale = simd::splat(kE8M0.value[srow[b]]);
+        KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
+            const simd::u32 bits = simd::splat_u32(load_word(prow + b * (kMxBlock / 2) + 4 * std::size_t(word)));
+            KIMIK3_UNROLL for (int k = 0; k < PerWord; ++k) w[word * PerWord + k] = decode_e2m1(bits >> shift[k]) * scale;
         }
         // Register i of the block covers columns 32b + i*W ..; it belongs to logical lanes (i*W) % 16,
         // i.e. accumulator i % A, and the two halves of the block reach it in column order.
         KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
             KIMIK3_UNROLL for (int i = 0; i < 4 * PerWord; ++i) {
                 const simd::f32 xv = simd::load(x + std::size_t(t) * x_stride + b * kMxBlock + std::size_t(i * simd::W));
-                KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t][i % A] = acc[r][t][i % A] + w[r][i] * xv;
+                acc[t][i % A] = acc[t][i % A] + w[i] * xv;
             }
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) {
-            float lanes[kLanes];
-            for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[r][t][a]);
-            y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
-        }
+    for (int t = 0; t < NT; ++t) {
+        float lanes[kLanes];
+        for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[t][a]);
+        y[std::size_t(t) * y_stride] = hsum16(lanes);
+    }
 }
 
-// The row/token tiling shared by the xsimd and AVX2 kernels: four rows at a time for one token, four
-// tokens at a time for several. BLOCK<R, NT> is the kernel's inner function.
-template <template <int, int> class Block>
+// The row split shared by the xsimd and AVX2 kernels. KERNEL::row does one row for one token;
+// KERNEL::tokens one row for T tokens, grouped as that kernel measures fastest.
+// Why one row at a time: a block of 4 rows shares each load of x (the textbook register tiling), and
+// it was measured SLOWER on the w1 shape (AVX2: 2.2-2.6 ms against 1.7-2.1 ms for single rows, xsimd:
+// 3.8-4.5 against 3.5-3.8; make bench's machine, 1 thread): loading x is not what binds, decoding is,
+// and 4 rows' 16 decoded registers plus 8 accumulators do not fit in 16 registers.
+template <class Kernel>
 inline void mxfp4_tiles(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                         std::size_t tokens, std::size_t rows, std::size_t cols) {
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
-        if (tokens == 1) {
-            for (std::size_t r = r0; r < r1;) {
-                if (r1 - r >= 4) {
-                    Block<4, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
-                    r += 4;
-                } else {
-                    Block<1, 1>::run(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols);
-                    r += 1;
-                }
-            }
-            return;
-        }
-        for (std::size_t r = r0; r < r1; ++r) {
-            std::size_t t = 0;
-            for (; tokens - t >= 4; t += 4)
-                Block<1, 4>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);
-            for (; t < tokens; ++t)
-                Block<1, 1>::run(y + t * rows + r, rows, x + t * cols, cols, packed + r * prow, scales + r * srow, cols);
-        }
+        for (std::size_t r = r0; r < r1; ++r)
+            if (tokens == 1) Kernel::row(y + r, x, packed + r * prow, scales + r * srow, cols);
+            else Kernel::tokens(y + r, rows, x, cols, packed + r * prow, scales + r * srow, cols, tokens);
     });
 }
 
-template <int R, int NT> struct SimdBlock {
-    static void run(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
-        mxfp4_block_simd<R, NT>(y, ys, x, xs, p, s, cols);
+struct SimdKernel {
+    static void row(float* y, const float* x, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
+        mxfp4_row_simd<1>(y, 0, x, cols, p, s, cols);
+    }
+    static void tokens(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols,
+                       std::size_t tokens) {  // four at a time: each weight decoded once per 4 tokens
+        std::size_t t = 0;
+        for (; tokens - t >= 4; t += 4) mxfp4_row_simd<4>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
+        for (; t < tokens; ++t) mxfp4_row_simd<1>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
     }
 };
 
@@ -280,7 +268,7 @@ inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* pack
                               std::size_t tokens, std::size_t rows, std::size_t cols) {
     // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
-    detail::mxfp4_tiles<detail::SimdBlock>(y, x, packed, scales, tokens, rows, cols);
+    detail::mxfp4_tiles<detail::SimdKernel>(y, x, packed, scales, tokens, rows, cols);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -299,51 +287,90 @@ inline constexpr bool kHaveAvx2Kernel = true;
 
 namespace detail {
 
-template <int R, int NT>
-inline void mxfp4_block_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
-                             const std::uint8_t* packed, const std::uint8_t* scales, std::size_t cols) {
-    // y (NT, stride) at row 0, x (NT, in), packed (R, in/2), scales (R, in/32)
+// The decode of one 32-bit word of packed bytes (8 codes) into 8 weights, with the block's scale
+// already folded into the table: broadcast, two per-lane shifts, and, vpermps, xor.
+struct Avx2Decoder {
     const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
     const __m256i shift_code = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);   // nibble j -> bits 0..3
     const __m256i shift_sign = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);   // nibble j's bit 3 -> bit 31
     const __m256i sign_bit = _mm256_set1_epi32(int(0x80000000u));
-    __m256 acc[R][NT][2];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+
+    // the block's scale folded into the 8-entry magnitude table: 8 multiplies per 32 weights
+    __m256 scaled_table(std::uint8_t scale) const { return _mm256_mul_ps(table, _mm256_set1_ps(kE8M0.value[scale])); }
+    __m256 word(__m256 table_scaled, const std::uint8_t* p) const {  // p: 4 packed bytes = columns 8 in order
+        const __m256i bits = _mm256_set1_epi32(int(load_word(p)));
+        const __m256i code = _mm256_srlv_epi32(bits, shift_code);                      // low 3 bits used
+        const __m256i sign = _mm256_and_si256(_mm256_sllv_epi32(bits, shift_sign), sign_bit);
+        return _mm256_xor_ps(_mm256_permutevar8x32_ps(table_scaled, code), _mm256_castsi256_ps(sign));
+    }
+};
+
+template <int NT>
+inline void mxfp4_row_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                           const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+    // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
+    const Avx2Decoder dec;
+    __m256 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {             // one MX block: 32 columns, 4 words
-        __m256 w[R][4];
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-            // the block's scale folded into the 8-entry magnitude table: 8 multiplies per 32 weights
-            const __m256 table_scaled =
-                _mm256_mul_ps(table, _mm256_set1_ps(kE8M0.value[scales[std::size_t(r) * (cols / kMxBlock) + b]]));
-            const std::uint8_t* p = packed + std::size_t(r) * (cols / 2) + b * (kMxBlock / 2);
-            KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
-                const __m256i bits = _mm256_set1_epi32(int(load_word(p + 4 * word)));
-                const __m256i code = _mm256_srlv_epi32(bits, shift_code);                  // low 3 bits used
-                const __m256i sign = _mm256_and_si256(_mm256_sllv_epi32(bits, shift_sign), sign_bit);
-                w[r][word] = _mm256_xor_ps(_mm256_permutevar8x32_ps(table_scaled, code), _mm256_castsi256_ps(sign));
-            }
-        }
+        __m256 w[4];
+        const __m256 table_scaled = dec.scaled_table(srow[b]);
+        KIMIK3_UNROLL for (int word = 0; word < 4; ++word) w[word] = dec.word(table_scaled, prow + b * (kMxBlock / 2) + 4 * std::size_t(word));
         // word k holds columns 32b + 8k .. 8k+7: logical lanes 0..7 for even k, 8..15 for odd k
         KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
             KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
                 const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * x_stride + b * kMxBlock + std::size_t(8 * word));
-                KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-                    acc[r][t][word % 2] = _mm256_add_ps(acc[r][t][word % 2], _mm256_mul_ps(w[r][word], xv));
+                acc[t][word % 2] = _mm256_add_ps(acc[t][word % 2], _mm256_mul_ps(w[word], xv));
             }
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) {
-            float lanes[kLanes];
-            _mm256_storeu_ps(lanes, acc[r][t][0]);
-            _mm256_storeu_ps(lanes + 8, acc[r][t][1]);
-            y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
-        }
+    for (int t = 0; t < NT; ++t) {
+        float lanes[kLanes];
+        _mm256_storeu_ps(lanes, acc[t][0]);
+        _mm256_storeu_ps(lanes + 8, acc[t][1]);
+        y[std::size_t(t) * y_stride] = hsum16(lanes);
+    }
 }
 
-template <int R, int NT> struct Avx2Block {
-    static void run(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
-        mxfp4_block_avx2<R, NT>(y, ys, x, xs, p, s, cols);
+// One row against NT tokens in two passes over the row: lanes 0..7 (the even words of every block),
+// then lanes 8..15 (the odd words). One pass needs NT accumulators, not 2 NT, and each weight is
+// decoded once. Each lane still receives its columns in increasing order, so every token gets its
+// matvec's bits. Measured on the w1 shape (make bench, "T tokens"): for 2 and 3 tokens this beats
+// mxfp4_row_avx2<T> (2 and 3 tokens: 1.1x and 1.5x the time of one token, against 1.4-1.7x and
+// 2.1-2.5x); from 4 tokens on mxfp4_row_avx2<4> is faster, because here x is read twice, from L2.
+template <int NT>
+inline void mxfp4_row_tokens_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                                  const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+    // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
+    const Avx2Decoder dec;
+    alignas(32) float lanes[NT][kLanes];
+    for (int half = 0; half < 2; ++half) {
+        __m256 acc[NT];
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (std::size_t b = 0; b < cols / kMxBlock; ++b) {
+            const __m256 table_scaled = dec.scaled_table(srow[b]);
+            KIMIK3_UNROLL for (int word = half; word < 4; word += 2) {  // columns 32b + 8 word .. + 7
+                const __m256 w = dec.word(table_scaled, prow + b * (kMxBlock / 2) + 4 * std::size_t(word));
+                const float* xc = x + b * kMxBlock + std::size_t(8 * word);
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(w, _mm256_loadu_ps(xc + std::size_t(t) * x_stride)));
+            }
+        }
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) _mm256_store_ps(lanes[t] + 8 * half, acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) y[std::size_t(t) * y_stride] = hsum16(lanes[t]);
+}
+
+struct Avx2Kernel {
+    static void row(float* y, const float* x, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
+        mxfp4_row_avx2<1>(y, 0, x, cols, p, s, cols);
+    }
+    static void tokens(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols,
+                       std::size_t tokens) {  // 4 at a time, then 3, 2 or 1
+        std::size_t t = 0;
+        for (; tokens - t >= 4; t += 4) mxfp4_row_avx2<4>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
+        if (tokens - t == 3) mxfp4_row_tokens_avx2<3>(y + t * ys, ys, x + t * xs, xs, p, s, cols), t += 3;
+        if (tokens - t == 2) mxfp4_row_tokens_avx2<2>(y + t * ys, ys, x + t * xs, xs, p, s, cols), t += 2;
+        if (tokens - t == 1) mxfp4_row_avx2<1>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
     }
 };
 
@@ -354,7 +381,7 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
                               std::size_t tokens, std::size_t rows, std::size_t cols) {
     // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
-    detail::mxfp4_tiles<detail::Avx2Block>(y, x, packed, scales, tokens, rows, cols);
+    detail::mxfp4_tiles<detail::Avx2Kernel>(y, x, packed, scales, tokens, rows, cols);
 }
 #else
 inline constexpr bool kHaveAvx2Kernel = false;
