@@ -5,7 +5,7 @@
 //       sizes: per-token snapshots against chapter 16's scratch copy + replay, time and memory per layer,
 //       projected to K3's 69 KDA layers.
 //   kimik3-bench-speculate compare MODEL_DIR [--prompts DIR]... [--budget floor|resident|SIZE] [--gen N]
-//                                 [--draft 1,2,4,8] [--ngram MIN:MAX] [--chat] [--reps N] [--json FILE]
+//                                 [--draft 1,2,4,8] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N] [--json FILE]
 //       One token per step against speculation, side by side in one process, over sets of prompts (a
 //       directory of text files, one prompt each; default: bench/prompts/repetitive): acceptance, tokens
 //       per step, trunk and expert bytes per generated token (the engine's own counters), wall time per
@@ -178,8 +178,8 @@ Counters counters(Model& m) {
 
 // One generation of exactly `gen` tokens (no stop tokens) with up to `draft` drafts per step (0: plain).
 // The decode figures start after the first token (the prefill's, which costs the same either way).
-Tally generate_once(Model& m, const Ids& prompt, std::size_t gen, std::size_t draft, const DraftOptions& lookup, std::size_t context,
-                    Ids& ids, std::vector<float>& logits) {
+Tally generate_once(Model& m, const Ids& prompt, std::size_t gen, std::size_t draft, bool adapt, const DraftOptions& lookup,
+                    std::size_t context, Ids& ids, std::vector<float>& logits) {
     Tally t;
     Session s(m.config, context);
     Counters c0;
@@ -194,9 +194,10 @@ Tally generate_once(Model& m, const Ids& prompt, std::size_t gen, std::size_t dr
     };
     logits.clear();
     const SamplingParams greedy{.temperature = 0};
+    PromptLookup drafter{.max_draft = draft, .options = lookup, .adapt = adapt};
     ids = continue_speculative(
         m, s, prompt, gen, draft, 32, [&](std::span<const float> l, std::uint64_t pos) { return std::int64_t(sample(l, greedy, pos)); },
-        [&](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n, lookup); }, on_token,
+        drafter, on_token,
         [&](const SpeculativeStep& st) {
             const double unique = (requested() - requested0) / moe;  // this step's union of experts per MoE layer
             requested0 = requested();
@@ -225,7 +226,8 @@ Ids encode_prompt(const Tokenizer& tok, const std::string& text, bool chat) {
 }
 
 int bench_compare(const std::string& dir, std::vector<std::string> sets, const std::string& budget_arg, std::size_t gen,
-                  const std::vector<std::size_t>& drafts, const DraftOptions& lookup, bool chat, int reps, std::string json_path) {
+                  const std::vector<std::size_t>& drafts, const std::string& length, const DraftOptions& lookup, bool chat, int reps,
+                  std::string json_path) {
     if (sets.empty()) sets.push_back(std::string(KIMIK3_SOURCE_DIR) + "/bench/prompts/repetitive");
     const Tokenizer tok = Tokenizer::load(dir);
     // the prompts, per set
@@ -262,8 +264,14 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
                 "medians of %d; load average %s\n\n",
                 dir.c_str(), budget_arg.c_str(), o.budget ? human_bytes(double(o.budget)).c_str() : "everything resident", gen, lookup.min_ngram,
                 lookup.max_ngram, reps, load_average().c_str());
-    std::vector<std::size_t> modes = {0};
-    modes.insert(modes.end(), drafts.begin(), drafts.end());
+    // a mode: (draft length, adaptive?); (0, _) is plain decoding
+    using Mode = std::pair<std::size_t, bool>;
+    std::vector<Mode> modes = {{0, false}};
+    for (std::size_t n : drafts) {
+        if (length != "adaptive") modes.push_back({n, false});
+        if (length != "fixed") modes.push_back({n, true});
+    }
+    auto key = [](Mode md) { return md.first == 0 ? std::string("0") : std::to_string(md.first) + (md.second ? " adaptive" : ""); };
     json out = {{"model", dir}, {"budget", budget_arg}, {"budget_bytes", o.budget}, {"gen", gen}, {"reps", reps},
                 {"ngram", {lookup.min_ngram, lookup.max_ngram}}, {"sets", json::object()}};
     bool all_exact = true;
@@ -272,27 +280,27 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
         std::printf("  %-10s %9s %10s %12s %14s %14s %12s %9s %9s\n", "mode", "accepted", "tok/step", "trunk/token", "experts/token",
                     "bytes/token", "s/token", "bytes", "time");
         // per rep: the set's totals per mode; the reported figure is the median over reps
-        std::map<std::size_t, std::vector<Tally>> per_rep;
+        std::map<Mode, std::vector<Tally>> per_rep;
         for (int rep = 0; rep < reps; ++rep) {
-            std::map<std::size_t, Tally> totals;
+            std::map<Mode, Tally> totals;
             for (const auto& [name, ids] : list) {
                 Ids base_ids;
                 std::vector<float> base_logits;
-                for (std::size_t n : modes) {
+                for (const Mode& md : modes) {
                     Ids got;
                     std::vector<float> logits;
-                    totals[n].add(generate_once(m, ids, gen, n, lookup, context, got, logits));
-                    if (n == 0) base_ids = got, base_logits = logits;
+                    totals[md].add(generate_once(m, ids, gen, md.first, md.second, lookup, context, got, logits));
+                    if (md.first == 0) base_ids = got, base_logits = logits;
                     else if (got != base_ids || logits.size() != base_logits.size() ||
                              std::memcmp(logits.data(), base_logits.data(), logits.size() * 4) != 0) {
-                        std::printf("  MISMATCH: %s, --speculate %zu differs from plain decoding\n", name.c_str(), n);
+                        std::printf("  MISMATCH: %s, --speculate %s differs from plain decoding\n", name.c_str(), key(md).c_str());
                         all_exact = false;
                     }
                 }
             }
             for (auto& [n, t] : totals) per_rep[n].push_back(t);
         }
-        const auto med = [&](std::size_t n, auto f) {
+        const auto med = [&](Mode n, auto f) {
             std::vector<double> v;
             for (const Tally& t : per_rep[n]) v.push_back(f(t));
             return median(v);
@@ -300,12 +308,12 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
         auto bytes_per_token = [](const Tally& t) { return (t.trunk + t.experts) / double(t.yielded); };
         auto secs_per_token = [](const Tally& t) { return t.seconds / double(t.yielded); };
         json jset = json::object();
-        const double plain_bytes = med(0, bytes_per_token), plain_secs = med(0, secs_per_token);
-        for (std::size_t n : modes) {
+        const double plain_bytes = med(modes[0], bytes_per_token), plain_secs = med(modes[0], secs_per_token);
+        for (const Mode& n : modes) {
             const Tally& t = per_rep[n].front();  // counts are the same every rep (deterministic); bytes and times: medians
             const double bpt = med(n, bytes_per_token), spt = med(n, secs_per_token);
             char mode[32];
-            std::snprintf(mode, sizeof mode, n ? "spec %zu" : "plain", n);
+            std::snprintf(mode, sizeof mode, n.first ? (n.second ? "adapt %zu" : "spec %zu") : "plain", n.first);
             std::printf("  %-10s %8.1f%% %10.2f %12s %14s %14s %12.4f %8.2fx %8.2fx\n", mode, 100.0 * (t.drafted ? double(t.accepted) / double(t.drafted) : 0.0),
                         double(t.yielded) / double(t.steps), human_bytes(med(n, [](const Tally& x) { return x.trunk / double(x.yielded); })).c_str(),
                         human_bytes(med(n, [](const Tally& x) { return x.experts / double(x.yielded); })).c_str(), human_bytes(bpt).c_str(), spt,
@@ -315,7 +323,7 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
             if (t.independent_excess > 0)
                 std::printf("  %-10s routed experts of its verify steps: %.2f of the excess over one token's that independent routing gives\n",
                             "", t.union_excess / t.independent_excess);
-            jset[std::to_string(n)] = {{"union_excess_vs_independent", t.independent_excess > 0 ? t.union_excess / t.independent_excess : 1.0},
+            jset[key(n)] = {{"union_excess_vs_independent", t.independent_excess > 0 ? t.union_excess / t.independent_excess : 1.0},
                                        {"steps", t.steps}, {"yielded", t.yielded}, {"drafted", t.drafted}, {"accepted", t.accepted},
                                        {"acceptance", t.drafted ? double(t.accepted) / double(t.drafted) : 0.0},
                                        {"tokens_per_step", double(t.yielded) / double(t.steps)}, {"steps_by_tokens_fed", fed},
@@ -522,12 +530,15 @@ int bench_verify_cost(const std::string& dir, const std::vector<std::size_t>& si
 const char* kUsage =
     "usage: kimik3-bench-speculate rollback [--reps N]\n"
     "       kimik3-bench-speculate compare MODEL_DIR [--prompts DIR]... [--budget floor|resident|SIZE] [--gen N]\n"
-    "                              [--draft 1,2,4,8] [--ngram MIN:MAX] [--chat] [--reps N] [--json FILE]\n"
+    "                              [--draft 1,2,4,8] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N]\n"
+    "                              [--json FILE]\n"
     "       kimik3-bench-speculate verify-cost K3_SHAPED_DIR [--sizes 1,2,3,5,9] [--reps N] [--acceptance FILE]\n"
     "                              [--json FILE]\n"
     "  rollback     per-token KDA snapshots against scratch + replay, at tiny and K3 sizes\n"
     "  compare      plain against speculative decoding over prompt sets (a directory of text files each;\n"
-    "               default bench/prompts/repetitive), side by side, at the floor by default\n"
+    "               default bench/prompts/repetitive), side by side, at the floor by default; --length: the\n"
+    "               drafter's length rule (fixed: always up to N, what the engine does, the default; adaptive:\n"
+    "               chapter 16's PromptLookup with adapt; both: side by side)\n"
     "  verify-cost  a verify step of T tokens on a K3-shaped checkpoint at the floor, projected to the full K3\n"
     "               (with --acceptance: compare's JSON, the projected seconds per generated token)\n";
 
@@ -537,7 +548,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args(argv + 1, argv + argc);
     if (args.empty() || args[0] == "--help" || args[0] == "-h") return std::fputs(kUsage, args.empty() ? stderr : stdout), args.empty() ? 2 : 0;
     const std::string mode = args[0];
-    std::string dir, budget = "floor", json_path, acceptance;
+    std::string dir, budget = "floor", json_path, acceptance, length = "fixed";
     std::vector<std::string> sets;
     std::size_t gen = 64;
     std::vector<std::size_t> drafts = {1, 2, 4, 8}, sizes = {1, 2, 3, 5, 9};
@@ -555,6 +566,11 @@ int main(int argc, char** argv) {
             else if (a == "--budget") budget = value();
             else if (a == "--gen") gen = std::size_t(std::stoul(value()));
             else if (a == "--draft") drafts = parse_list(value());
+            else if (a == "--length") {
+                length = value();
+                if (length != "adaptive" && length != "fixed" && length != "both")
+                    fail(ErrorKind::usage, "--length wants adaptive, fixed or both, not '" + length + "'");
+            }
             else if (a == "--sizes") sizes = parse_list(value());
             else if (a == "--ngram") {
                 const std::string v = value();
@@ -570,7 +586,7 @@ int main(int argc, char** argv) {
         }
         if (mode == "rollback") return bench_rollback(reps), 0;
         if (dir.empty()) fail(ErrorKind::usage, mode + " needs a directory");
-        if (mode == "compare") return bench_compare(dir, sets, budget, gen, drafts, lookup, chat, reps, json_path);
+        if (mode == "compare") return bench_compare(dir, sets, budget, gen, drafts, length, lookup, chat, reps, json_path);
         if (mode == "verify-cost") {
             if (std::find(sizes.begin(), sizes.end(), std::size_t(1)) == sizes.end()) sizes.insert(sizes.begin(), 1);
             return bench_verify_cost(dir, sizes, reps, acceptance, json_path);

@@ -120,6 +120,27 @@ TEST_CASE("16.1 the drafter worked by hand: the longest suffix, its most recent 
     test::expect_error([&] { d({1, 2}, 1, {.min_ngram = 3, .max_ngram = 2}); }, ErrorKind::usage, {"want 1 <= min <= max"});
 }
 
+TEST_CASE("16.1 PromptLookup: fixed by default; adapting, max first, doubled when all kept, accepted + 1 after a miss") {
+    PromptLookup p{.max_draft = 8, .adapt = true};
+    const Ids cycle = {4, 5, 4, 5, 4, 5};  // a cycle: the lookup can always fill any length
+    auto step = [](std::size_t drafted, std::size_t accepted) { return SpeculativeStep{drafted + 1, drafted, accepted, accepted + 1}; };
+    CHECK(p(cycle, 32).size() == 8);       // starts at max_draft
+    CHECK(p(cycle, 3).size() == 3);        // never more than the room the engine gives
+    p.observe(step(8, 2));                 // a miss after 2: the next draft is 3 long
+    CHECK(p(cycle, 32).size() == 3);
+    p.observe(step(3, 3));                 // all kept: doubled
+    CHECK(p(cycle, 32).size() == 6);
+    p.observe(step(6, 6));                 // doubled, capped at max_draft
+    CHECK(p(cycle, 32).size() == 8);
+    p.observe(step(8, 0));                 // nothing kept: one guess
+    CHECK(p(cycle, 32).size() == 1);
+    p.observe(step(0, 0));                 // a step with no draft teaches nothing
+    CHECK(p(cycle, 32).size() == 1);
+    PromptLookup fixed{.max_draft = 8};
+    fixed.observe(step(8, 0));
+    CHECK(fixed(cycle, 32).size() == 8);   // the fixed rule: always up to max_draft
+}
+
 // ---- 16.2 / 16.3 one tentative step and its rollback ----------------------------------------------------
 TEST_CASE("16.3 a tentative step gives ordinary logits, and kept to n tokens the session is one that fed n tokens, bit for bit") {
     Model m(kTiny, ModelOptions{});

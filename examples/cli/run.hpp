@@ -318,9 +318,9 @@ inline int cmd_run(std::vector<std::string> args) {
             if (speculate) {
                 Session s(model.config, mo.plan.context);
                 std::vector<std::int64_t> shown;  // every token so far (the step rows name their first)
+                PromptLookup drafter{.max_draft = speculate};
                 out_ids = continue_speculative(
-                    model, s, ids, gen, speculate, chunk, choose,
-                    [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); },
+                    model, s, ids, gen, speculate, chunk, choose, drafter,
                     [&](std::int64_t id) {
                         shown.push_back(id);
                         return show(shown.size() - 1, id);
