@@ -331,45 +331,21 @@ inline void mxfp4_row_avx2(float* y, std::size_t y_stride, const float* x, std::
     }
 }
 
-// One row against NT tokens in two passes over the row: lanes 0..7 (the even words of every block),
-// then lanes 8..15 (the odd words). One pass needs NT accumulators, not 2 NT, and each weight is
-// decoded once. Each lane still receives its columns in increasing order, so every token gets its
-// matvec's bits. Measured on the w1 shape (make bench, "T tokens"): for 2 and 3 tokens this beats
-// mxfp4_row_avx2<T> (2 and 3 tokens: 1.1x and 1.5x the time of one token, against 1.4-1.7x and
-// 2.1-2.5x); from 4 tokens on mxfp4_row_avx2<4> is faster, because here x is read twice, from L2.
-template <int NT>
-inline void mxfp4_row_tokens_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
-                                  const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
-    // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
-    const Avx2Decoder dec;
-    alignas(32) float lanes[NT][kLanes];
-    for (int half = 0; half < 2; ++half) {
-        __m256 acc[NT];
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-        for (std::size_t b = 0; b < cols / kMxBlock; ++b) {
-            const __m256 table_scaled = dec.scaled_table(srow[b]);
-            KIMIK3_UNROLL for (int word = half; word < 4; word += 2) {  // columns 32b + 8 word .. + 7
-                const __m256 w = dec.word(table_scaled, prow + b * (kMxBlock / 2) + 4 * std::size_t(word));
-                const float* xc = x + b * kMxBlock + std::size_t(8 * word);
-                KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(w, _mm256_loadu_ps(xc + std::size_t(t) * x_stride)));
-            }
-        }
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) _mm256_store_ps(lanes[t] + 8 * half, acc[t]);
-    }
-    for (int t = 0; t < NT; ++t) y[std::size_t(t) * y_stride] = hsum16(lanes[t]);
-}
-
+// T tokens: mxfp4_row_avx2<NT> decodes a block once for its NT tokens. Measured on the w1 shape (make
+// bench, 1 thread): 2, 3, 4 tokens cost 1.14-1.23x, 1.39-1.47x, 1.63-1.80x one token's time; 16 tokens
+// about 6.7x (four groups of 4: more than 4 tokens' accumulators do not fit beside the decode's
+// registers). Two half-lane passes (lanes 0-7, then 8-15, NT accumulators instead of 2 NT) were tried
+// for 2 and 3 tokens and measured slower (1.4-1.6x, 2.0-2.4x): x is read twice.
 struct Avx2Kernel {
     static void row(float* y, const float* x, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
         mxfp4_row_avx2<1>(y, 0, x, cols, p, s, cols);
     }
     static void tokens(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols,
-                       std::size_t tokens) {  // 4 at a time, then 3, 2 or 1
+                       std::size_t tokens) {  // 4 at a time (each weight decoded once per 4), then 3, 2 or 1 together
         std::size_t t = 0;
         for (; tokens - t >= 4; t += 4) mxfp4_row_avx2<4>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
-        if (tokens - t == 3) mxfp4_row_tokens_avx2<3>(y + t * ys, ys, x + t * xs, xs, p, s, cols), t += 3;
-        if (tokens - t == 2) mxfp4_row_tokens_avx2<2>(y + t * ys, ys, x + t * xs, xs, p, s, cols), t += 2;
+        if (tokens - t == 3) mxfp4_row_avx2<3>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
+        if (tokens - t == 2) mxfp4_row_avx2<2>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
         if (tokens - t == 1) mxfp4_row_avx2<1>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
     }
 };
