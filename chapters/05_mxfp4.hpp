@@ -263,7 +263,7 @@ struct SimdKernel {
 }  // namespace detail
 
 // Bit-identical to matmul_mxfp4_ref. Structural difference: codes are decoded W at a time in
-// registers (broadcast word, per-lane shift, arithmetic decode) and several rows or tokens share loads.
+// registers (broadcast word, per-lane shift, arithmetic decode) and several tokens share each decoded weight.
 inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                               std::size_t tokens, std::size_t rows, std::size_t cols) {
     // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
