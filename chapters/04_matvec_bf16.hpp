@@ -7,7 +7,8 @@
 //   is used once per token), so the SIMD path is about loading 2-byte weights fast; and a SIMD register
 //   can hold the 16 logical lanes in a permuted order, as long as each lane still sees its own products
 //   in its own order. Also new: a multi-token form that reads each weight row once for T tokens (what
-//   prefill needs), giving per token exactly the bits of T single matvecs.
+//   prefill needs), giving per token exactly the bits of T single matvecs, and a kernel for AVX-512
+//   (picked when the program runs) whose registers hold the 16 lanes as they are.
 //
 // WHERE THIS SITS IN KIMI K3
 //   Every projection outside the routed experts: KDA q/k/v/g [12288, 7168] and o_proj [7168, 12288],
@@ -42,7 +43,8 @@
 // RUN      make run-04        TEST   make test-04        BENCH   make bench
 //
 // SECTIONS
-//   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernel      4.4 dispatch
+//   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernels (xsimd, AVX-512)
+//   4.4 dispatch
 //   4.5 matrices stored as F32 or F16 (the same lane rule, widened exactly)
 //   4.6 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
 // ====================================================================================================
@@ -55,6 +57,10 @@
 #include <vector>
 
 #include "00_numerics.hpp"
+
+#if KIMIK3_X86_KERNELS
+#include <immintrin.h>
+#endif
 
 namespace kimik3 {
 
@@ -162,7 +168,7 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------------
-// 4.3 The SIMD kernel
+// 4.3 The SIMD kernels
 // ---------------------------------------------------------------------------------------------------
 // Bit-identical to matmul_bf16_ref. The structural difference: lanes live in registers in the even/odd
 // order of 4.2, and rows (one token) or tokens (several) are processed four at a time.
@@ -191,12 +197,123 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
     matmul_bf16_simd(y, x, w, 1, rows, cols);
 }
 
+// The AVX-512 kernel (part of 4.3): the 16 lanes in one register, in their natural order.
+// Compiled into every x86-64 build and used when the CPU has AVX-512 (chapter 00's 0.9). With 16 floats
+// per register one 16-element chunk of a row is one register, so the even/odd split of 4.2 is not
+// needed: vpmovzxwd widens 16 bf16 (32 bytes) into 16 32-bit lanes and a shift by 16 makes them f32,
+// lane j = column j. One accumulator per (row, token) holds the 16 logical lanes as they are; x is
+// read unpermuted. Rows four at a time when there is one token (four independent chains of additions
+// and each load of x shared), tokens eight at a time otherwise.
+#if KIMIK3_X86_KERNELS
+// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "may be used
+// uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+namespace detail {
+
+// How far ahead of each row's reads the kernel prefetches. The hardware prefetcher alone left one
+// thread at 0.90-0.92 of what it reaches with this hint (2 kB measured best of 0.5-8 kB; 8 kB is worse).
+inline constexpr std::size_t kPrefetchBytes = 2048;
+
+// One 16-column chunk at column c for R rows x NT tokens.
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 inline void bf16_chunk_avx512(__m512 (&acc)[R][NT], const float* x, std::size_t x_stride, const bf16* w,
+                                                   std::size_t cols, std::size_t c) {
+    __m512 wv[R];
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + std::size_t(r) * cols + c));
+        wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // exact bf16 -> f32
+    }
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+        const __m512 xv = _mm512_loadu_ps(x + std::size_t(t) * x_stride + c);
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(wv[r], xv));
+    }
+}
+
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t y_stride, const float* x, std::size_t x_stride, const bf16* w,
+                                                   std::size_t cols) {  // y (NT, stride) at row 0, x (NT, in), w (R, in)
+    __m512 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    const std::size_t full = full_chunks(cols);
+    std::size_t c = 0;
+    for (; c + 2 * kLanes <= full; c += 2 * kLanes) {  // a 64-byte line of each row: ask for the line 2 kB ahead too
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + std::size_t(r) * cols + c) + kPrefetchBytes, _MM_HINT_T0);
+        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
+        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c + kLanes);
+    }
+    if (c < full) bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            _mm512_storeu_ps(lanes, acc[r][t]);
+            const bf16* wr = w + std::size_t(r) * cols;
+            const float* xt = x + std::size_t(t) * x_stride;
+            y[std::size_t(t) * y_stride + std::size_t(r)] =
+                finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * xt[i]; });
+        }
+}
+
+// One row for every token: 8 at a time, then the rest together.
+KIMIK3_TARGET_AVX512 inline void bf16_tokens_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
+                                                    std::size_t cols) {
+    std::size_t t = 0;
+    for (; tokens - t >= 8; t += 8) bf16_block_avx512<1, 8>(y + t * ldy, ldy, x + t * cols, cols, w, cols);
+    switch (tokens - t) {
+        case 7: bf16_block_avx512<1, 7>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 6: bf16_block_avx512<1, 6>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 5: bf16_block_avx512<1, 5>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 4: bf16_block_avx512<1, 4>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 3: bf16_block_avx512<1, 3>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 2: bf16_block_avx512<1, 2>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        case 1: bf16_block_avx512<1, 1>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
+        default: break;
+    }
+}
+
+KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
+                                                   std::size_t cols, std::size_t r0, std::size_t r1) {
+    std::size_t r = r0;
+    if (tokens == 1)
+        for (; r1 - r >= 4; r += 4) bf16_block_avx512<4, 1>(y + r, ldy, x, cols, w + r * cols, cols);
+    for (; r < r1; ++r) bf16_tokens_avx512(y + r, ldy, x, w + r * cols, tokens, cols);
+}
+
+}  // namespace detail
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+// Bit-identical to matmul_bf16_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
+inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                               std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    if (cpu_isa() < Isa::avx512) fail(ErrorKind::runtime, "matmul_bf16_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
+    if (ldy == 0) ldy = rows;
+#if KIMIK3_X86_KERNELS
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { detail::bf16_range_avx512(y, ldy, x, w, tokens, cols, r0, r1); });
+#else
+    (void)y, (void)x, (void)w, (void)tokens, (void)cols;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
-// 4.4 Dispatch
+// 4.4 Dispatch: the reference under KIMIK3_SCALAR, else AVX-512 where the CPU has it, else xsimd
 // ---------------------------------------------------------------------------------------------------
+inline void matmul_bf16_fast(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
+    isa_enabled(Isa::avx512) ? matmul_bf16_avx512(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_simd(y, x, w, tokens, rows, cols, ldy);
+}
+
+// The name of the kernel matmul_bf16 runs (for the programs' banners).
+inline const char* bf16_kernel_name() { return !use_simd ? "reference" : isa_enabled(Isa::avx512) ? "avx512" : simd::arch_name(); }
+
 inline void matmul_bf16(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
                         std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    use_simd ? matmul_bf16_simd(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_ref(y, x, w, tokens, rows, cols, ldy);
+    use_simd ? matmul_bf16_fast(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_ref(y, x, w, tokens, rows, cols, ldy);
 }
 
 inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
@@ -270,7 +387,7 @@ inline void matmul_wide_simd(WeightType type, float* y, const float* x, const vo
     });
 }
 
-// One entry point per path for a matrix of any WeightType (bf16 goes to 4.1/4.3), and the dispatcher.
+// One entry point per path for a matrix of any WeightType (bf16 goes to 4.1-4.4), and the dispatcher.
 inline void matmul_typed_ref(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
                              std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
     if (type == WeightType::bf16) return matmul_bf16_ref(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
@@ -278,7 +395,7 @@ inline void matmul_typed_ref(WeightType type, float* y, const float* x, const vo
 }
 inline void matmul_typed_simd(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
                               std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    if (type == WeightType::bf16) return matmul_bf16_simd(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
+    if (type == WeightType::bf16) return matmul_bf16_fast(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
     matmul_wide_simd(type, y, x, w, tokens, rows, cols, ldy);
 }
 inline void matmul_typed(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,

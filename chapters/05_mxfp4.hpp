@@ -7,8 +7,8 @@
 //   chapter decodes every code and scale exactly, draws the compressed-tensors byte layout, and builds
 //   a matvec that reads the packed bytes directly (an expert's 17.5 MB would become 132 MB if widened
 //   to f32 first). New since chapter 04: a number format small enough to test exhaustively, a decode
-//   that must be done in registers, and an ISA-specific whole function (AVX2) next to the portable
-//   xsimd one, all three bit-identical.
+//   that must be done in registers, and ISA-specific whole functions (AVX2, AVX-512: picked when the
+//   program runs) next to the portable xsimd one, all four bit-identical.
 //
 // WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 2.4)
 //   Per expert: w1 (gate) and w3 (up) [3072, 3584], w2 (down) [3584, 3072], i.e. F = 3072, L = 3584.
@@ -63,7 +63,8 @@
 //
 // SECTIONS
 //   5.1 E2M1 codes     5.2 E8M0 scales      5.3 dequantizing     5.4 the reference matvec
-//   5.5 the xsimd kernel                    5.6 the AVX2 kernel  5.7 dispatch
+//   5.5 the xsimd kernel                    5.6 the AVX2 kernel  5.7 the AVX-512 kernel
+//   5.8 dispatch
 // ====================================================================================================
 #pragma once
 
@@ -75,7 +76,9 @@
 
 #include "00_numerics.hpp"
 
-#if defined(__AVX2__)
+#include <vector>
+
+#if KIMIK3_X86_KERNELS
 #include <immintrin.h>
 #endif
 
@@ -280,24 +283,28 @@ inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* pack
 //   w = table_scaled[code & 7] ^ ((code & 8) << 28)
 // This gives the same bits as e2m1(code) * scale: IEEE multiplication is symmetric in sign, and -0
 // (code 8) comes out as +0 with the sign bit set, i.e. -0. On this project's AVX2 machine it measured
-// ~2x the xsimd kernel (see make bench); an AVX-512 version (vpermps on 16 lanes) is left out because no
-// machine here can run it, and untested code does not ship.
-#if defined(__AVX2__)
-inline constexpr bool kHaveAvx2Kernel = true;
-
+// ~2x the xsimd kernel (see make bench). It is compiled into every x86-64 build (chapter 00's 0.9) and
+// used when the CPU has AVX2, whatever -march the build was given.
+#if KIMIK3_X86_KERNELS
 namespace detail {
 
 // The decode of one 32-bit word of packed bytes (8 codes) into 8 weights, with the block's scale
 // already folded into the table: broadcast, two per-lane shifts, and, vpermps, xor.
 struct Avx2Decoder {
-    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m256i shift_code = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);   // nibble j -> bits 0..3
-    const __m256i shift_sign = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);   // nibble j's bit 3 -> bit 31
-    const __m256i sign_bit = _mm256_set1_epi32(int(0x80000000u));
+    __m256 table;         // E2M1 magnitudes 0 .. 6
+    __m256i shift_code;   // nibble j -> bits 0..3
+    __m256i shift_sign;   // nibble j's bit 3 -> bit 31
+    __m256i sign_bit;
+
+    KIMIK3_TARGET_AVX2 Avx2Decoder()
+        : table(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f)),
+          shift_code(_mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+          shift_sign(_mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0)),
+          sign_bit(_mm256_set1_epi32(int(0x80000000u))) {}
 
     // the block's scale folded into the 8-entry magnitude table: 8 multiplies per 32 weights
-    __m256 scaled_table(std::uint8_t scale) const { return _mm256_mul_ps(table, _mm256_set1_ps(kE8M0.value[scale])); }
-    __m256 word(__m256 table_scaled, const std::uint8_t* p) const {  // p: 4 packed bytes = columns 8 in order
+    KIMIK3_TARGET_AVX2 __m256 scaled_table(std::uint8_t scale) const { return _mm256_mul_ps(table, _mm256_set1_ps(kE8M0.value[scale])); }
+    KIMIK3_TARGET_AVX2 __m256 word(__m256 table_scaled, const std::uint8_t* p) const {  // p: 4 packed bytes = 8 columns in order
         const __m256i bits = _mm256_set1_epi32(int(load_word(p)));
         const __m256i code = _mm256_srlv_epi32(bits, shift_code);                      // low 3 bits used
         const __m256i sign = _mm256_and_si256(_mm256_sllv_epi32(bits, shift_sign), sign_bit);
@@ -306,8 +313,8 @@ struct Avx2Decoder {
 };
 
 template <int NT>
-inline void mxfp4_row_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
-                           const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+KIMIK3_TARGET_AVX2 inline void mxfp4_row_avx2(float* y, std::size_t y_stride, const float* x, std::size_t x_stride,
+                                              const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
     // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
     const Avx2Decoder dec;
     __m256 acc[NT][2];
@@ -337,11 +344,11 @@ inline void mxfp4_row_avx2(float* y, std::size_t y_stride, const float* x, std::
 // registers). Two half-lane passes (lanes 0-7, then 8-15, NT accumulators instead of 2 NT) were tried
 // for 2 and 3 tokens and measured slower (1.4-1.6x, 2.0-2.4x): x is read twice.
 struct Avx2Kernel {
-    static void row(float* y, const float* x, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
+    KIMIK3_TARGET_AVX2 static void row(float* y, const float* x, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols) {
         mxfp4_row_avx2<1>(y, 0, x, cols, p, s, cols);
     }
-    static void tokens(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s, std::size_t cols,
-                       std::size_t tokens) {  // 4 at a time (each weight decoded once per 4), then 3, 2 or 1 together
+    KIMIK3_TARGET_AVX2 static void tokens(float* y, std::size_t ys, const float* x, std::size_t xs, const std::uint8_t* p, const std::uint8_t* s,
+                                          std::size_t cols, std::size_t tokens) {  // 4 at a time (each weight decoded once per 4), then 3, 2 or 1 together
         std::size_t t = 0;
         for (; tokens - t >= 4; t += 4) mxfp4_row_avx2<4>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
         if (tokens - t == 3) mxfp4_row_avx2<3>(y + t * ys, ys, x + t * xs, xs, p, s, cols);
@@ -351,32 +358,182 @@ struct Avx2Kernel {
 };
 
 }  // namespace detail
+#endif
 
 // Bit-identical to matmul_mxfp4_ref (see above for why the table-with-scale gives the same bits).
+// Refused on a CPU without AVX2 (the dispatcher of 5.8 never calls it there).
 inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                               std::size_t tokens, std::size_t rows, std::size_t cols) {
     // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    if (cpu_isa() < Isa::avx2) fail(ErrorKind::runtime, "matmul_mxfp4_avx2: this CPU has no AVX2");
+#if KIMIK3_X86_KERNELS
     detail::mxfp4_tiles<detail::Avx2Kernel>(y, x, packed, scales, tokens, rows, cols);
+#endif
 }
-#else
-inline constexpr bool kHaveAvx2Kernel = false;
 
-inline void matmul_mxfp4_avx2(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t,
-                              std::size_t) {
-    fail(ErrorKind::runtime, "matmul_mxfp4_avx2: this build has no AVX2 (compile with -mavx2 or -march=native)");
+// ---------------------------------------------------------------------------------------------------
+// 5.7 The AVX-512 kernel: one register is the 16 lanes
+// ---------------------------------------------------------------------------------------------------
+// With 16 floats per register a block's 32 weights are two registers, columns 0-15 and 16-31, and
+// one token's 16 logical lanes are ONE accumulator. The decode of 16 weights from 8 packed bytes is
+// three instructions, one of them a shuffle:
+//
+//   vpbroadcastq   the 8 bytes (16 codes, nibble n = column n) into each 64-bit lane k = 0..7
+//                  (from memory this is a load, not a shuffle)
+//   vpsrlvq        64-bit lane k shifted right by 4k: its low 32 bits now begin with nibble k, its high
+//                  32 bits with nibble k + 8
+//   vpermps        each 32-bit lane looks up the low 4 bits of itself in a 16-float table: all 16 codes,
+//                  sign included, already multiplied by the block's scale
+//
+//   register position p:   0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+//   holds column (of 16):  0  8  1  9  2 10  3 11  4 12  5 13  6 14  7 15
+//
+// That order is the same for both halves of a block, so it is a fixed permutation of the 16 logical
+// lanes (compare chapter 04's even/odd registers): x is permuted to match once per call, each lane
+// still receives its own products in its own order, and the sums are put back in logical order before
+// hsum16. The table is kE2M1[code] * scale for the 16 codes: exactly the product the reference rounds,
+// so no sign trick is needed, and one multiply per 32 weights folds the scale in.
+//
+// Rows four at a time: one token's sum is a chain of dependent additions (two per block, about 4 cycles
+// each), so a single row leaves the adder waiting; four independent rows fill it. Measured on the w1
+// shape, 1 thread, weights in cache: 1 row 12.7 Gw/s, 2 rows 17.1, 4 rows 19.8 (the AVX2 kernel:
+// 9.4). Tokens: 4 rows x up to 4 tokens share every decoded register and every load of x.
+//
+// Prefetch: streamed from memory, the four rows left one thread at half its in-cache speed (the
+// hardware prefetcher does not run far enough ahead of four interleaved streams of 1.5-1.8 kB rows).
+// Asking, once per 64-byte line, for the same line of the NEXT four rows (7 kB ahead on the w1 shape)
+// took the w1 matvec from 10.8 to 18.3 Gw/s at 1 thread and from 19.1 to 35.6 at 2 (make bench;
+// distances of 0.25-4 kB gave 13-16 Gw/s, 8-14 kB the same as 7).
+#if KIMIK3_X86_KERNELS
+// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "may be used
+// uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+namespace detail {
+
+constexpr int avx512_column(int p) { return p % 2 == 0 ? p / 2 : p / 2 + 8; }  // the table above
+
+// xp = x with every 16 columns in the register order above; n is a multiple of 32 here.
+inline void permute_input_avx512(float* xp, const float* x, std::size_t n) {  // xp (n), x (n)
+    for (std::size_t c = 0; c < n; c += kLanes)
+        for (int p = 0; p < kLanes; ++p) xp[c + std::size_t(p)] = x[c + std::size_t(avx512_column(p))];
 }
+
+inline std::vector<float>& avx512_scratch(std::size_t n) {  // one per calling thread
+    thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf;
+}
+
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 inline void mxfp4_rows_avx512(float* y, std::size_t y_stride, const float* xp, std::size_t x_stride,
+                                                   const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+    // y (NT, stride) at row 0, xp (NT, in) permuted, prow (R, in/2), srow (R, in/32)
+    const std::size_t pstride = cols / 2, sstride = cols / kMxBlock;
+    const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
+    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    __m512 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (std::size_t b = 0; b < cols / kMxBlock; ++b) {  // one MX block: 32 columns, 16 bytes, one scale
+        __m512 lo[R], hi[R];                              // columns 0-15 and 16-31 of the block
+        if (b % 4 == 0)  // once per 64-byte line of each row: ask for the same line of the next 4 rows
+            KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+                _mm_prefetch(reinterpret_cast<const char*>(prow + std::size_t(r + 4) * pstride + b * (kMxBlock / 2)), _MM_HINT_T0);
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+            const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(kE8M0.value[srow[std::size_t(r) * sstride + b]]));
+            const std::uint8_t* p = prow + std::size_t(r) * pstride + b * (kMxBlock / 2);
+            std::uint64_t q0, q1;
+            std::memcpy(&q0, p, 8);
+            std::memcpy(&q1, p + 8, 8);
+            lo[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q0), shifts), table);
+            hi[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q1), shifts), table);
+        }
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            const float* xb = xp + std::size_t(t) * x_stride + b * kMxBlock;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + kLanes);
+            KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(lo[r], x0));  // columns 0-15 first,
+                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(hi[r], x1));  // then 16-31: lane order
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) {
+            float reg[kLanes], lanes[kLanes];
+            _mm512_storeu_ps(reg, acc[r][t]);
+            for (int p = 0; p < kLanes; ++p) lanes[avx512_column(p)] = reg[p];
+            y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
+        }
+}
+
+// R rows for every token: 4 tokens at a time, then the remaining 3, 2 or 1 together.
+template <int R>
+KIMIK3_TARGET_AVX512 inline void mxfp4_tokens_avx512(float* y, std::size_t ldy, const float* xp, std::size_t tokens,
+                                                     const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+    std::size_t t = 0;
+    for (; tokens - t >= 4; t += 4) mxfp4_rows_avx512<R, 4>(y + t * ldy, ldy, xp + t * cols, cols, prow, srow, cols);
+    if (tokens - t == 3) mxfp4_rows_avx512<R, 3>(y + t * ldy, ldy, xp + t * cols, cols, prow, srow, cols);
+    if (tokens - t == 2) mxfp4_rows_avx512<R, 2>(y + t * ldy, ldy, xp + t * cols, cols, prow, srow, cols);
+    if (tokens - t == 1) mxfp4_rows_avx512<R, 1>(y + t * ldy, ldy, xp + t * cols, cols, prow, srow, cols);
+}
+
+// Rows [r0, r1): four at a time, then one at a time.
+KIMIK3_TARGET_AVX512 inline void mxfp4_range_avx512(float* y, const float* xp, const std::uint8_t* packed, const std::uint8_t* scales,
+                                                    std::size_t tokens, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t r1) {
+    const std::size_t prow = cols / 2, srow = cols / kMxBlock;
+    std::size_t r = r0;
+    for (; r1 - r >= 4; r += 4) mxfp4_tokens_avx512<4>(y + r, rows, xp, tokens, packed + r * prow, scales + r * srow, cols);
+    for (; r < r1; ++r) mxfp4_tokens_avx512<1>(y + r, rows, xp, tokens, packed + r * prow, scales + r * srow, cols);
+}
+
+}  // namespace detail
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
+// Bit-identical to matmul_mxfp4_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
+inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                                std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    if (cpu_isa() < Isa::avx512) fail(ErrorKind::runtime, "matmul_mxfp4_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
+#if KIMIK3_X86_KERNELS
+    std::vector<float>& xp = detail::avx512_scratch(tokens * cols);
+    for (std::size_t t = 0; t < tokens; ++t) detail::permute_input_avx512(xp.data() + t * cols, x + t * cols, cols);
+    const float* xpp = xp.data();
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        detail::mxfp4_range_avx512(y, xpp, packed, scales, tokens, rows, cols, r0, r1);
+    });
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
-// 5.7 Dispatch: the reference under KIMIK3_SCALAR, else AVX2 when compiled in, else xsimd
+// 5.8 Dispatch: the reference under KIMIK3_SCALAR, else the widest kernel the CPU runs (chapter 00's 0.9)
 // ---------------------------------------------------------------------------------------------------
+// The fastest fast path on this machine: AVX-512, else AVX2, else xsimd. All three have the same bits.
+inline void matmul_mxfp4_fast(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                              std::size_t tokens, std::size_t rows, std::size_t cols) {
+    // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    if (isa_enabled(Isa::avx512)) matmul_mxfp4_avx512(y, x, packed, scales, tokens, rows, cols);
+    else if (isa_enabled(Isa::avx2)) matmul_mxfp4_avx2(y, x, packed, scales, tokens, rows, cols);
+    else matmul_mxfp4_simd(y, x, packed, scales, tokens, rows, cols);
+}
+
+// The name of the kernel matmul_mxfp4 runs (for the programs' banners).
+inline const char* mxfp4_kernel_name() {
+    return !use_simd ? "reference" : isa_enabled(Isa::avx512) ? "avx512" : isa_enabled(Isa::avx2) ? "avx2" : "xsimd";
+}
+
 inline void matmul_mxfp4(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                          std::size_t tokens, std::size_t rows, std::size_t cols) {
     // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     if (!use_simd) matmul_mxfp4_ref(y, x, packed, scales, tokens, rows, cols);
-    else if (kHaveAvx2Kernel) matmul_mxfp4_avx2(y, x, packed, scales, tokens, rows, cols);
-    else matmul_mxfp4_simd(y, x, packed, scales, tokens, rows, cols);
+    else matmul_mxfp4_fast(y, x, packed, scales, tokens, rows, cols);
 }
 
 inline void matvec_mxfp4(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,

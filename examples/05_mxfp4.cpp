@@ -44,6 +44,6 @@ int main() {
     for (std::size_t r = 0; r < rows; ++r)
         std::printf("  y[%zu] = %10.4f   dispatched fast path: %10.4f   same bits: %s\n", r, double(y_ref[r]), double(y_fast[r]),
                     std::bit_cast<std::uint32_t>(y_ref[r]) == std::bit_cast<std::uint32_t>(y_fast[r]) ? "yes" : "NO");
-    std::fprintf(stderr, "fast path in this build: %s\n", !use_simd ? "reference (KIMIK3_SCALAR)" : kHaveAvx2Kernel ? "AVX2" : "xsimd");
+    std::fprintf(stderr, "fast path on this machine: %s\n", mxfp4_kernel_name());
     return 0;
 }

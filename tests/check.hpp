@@ -33,6 +33,18 @@
 
 namespace kimik3::test {
 
+// Whether this machine runs the kernels for `isa` (chapter 00's 0.9). When it does not, the test of
+// `what` is skipped and says so, once per binary: a path the CPU lacks is never passed in silence.
+inline bool cpu_runs(Isa isa, const std::string& what) {
+    if (cpu_isa() >= isa) return true;
+    static std::vector<std::string> said;
+    if (std::find(said.begin(), said.end(), what) == said.end()) {
+        said.push_back(what);
+        std::printf("skipped: %s: this machine cannot run %s kernels (CPU or build)\n", what.c_str(), isa_name(isa));
+    }
+    return false;
+}
+
 // Path of a file under the repository root, so tests run from any working directory.
 inline std::string source_path(const std::string& rel) { return std::string(KIMIK3_SOURCE_DIR) + "/" + rel; }
 

@@ -32,12 +32,22 @@ TEST_CASE("4.2 the even/odd register layout is a permutation of the 16 lanes") {
     for (int l = 0; l < 16; ++l) CHECK(seen[std::size_t(l)] == l);
 }
 
-TEST_CASE("4.3 matmul_bf16_simd is bit-identical to the reference for every shape, T, and planted values") {
+namespace {
+// The fast paths this machine runs: xsimd always, AVX-512 where the CPU has it (else skipped, and said).
+using Bf16Fn = void (*)(float*, const float*, const bf16*, std::size_t, std::size_t, std::size_t, std::size_t);
+std::vector<std::pair<const char*, Bf16Fn>> fast_paths() {
+    std::vector<std::pair<const char*, Bf16Fn>> p = {{"simd", matmul_bf16_simd}};
+    if (test::cpu_runs(Isa::avx512, "the AVX-512 bf16 kernel (4.3)")) p.push_back({"avx512", matmul_bf16_avx512});
+    return p;
+}
+}  // namespace
+
+TEST_CASE("4.3 every fast path is bit-identical to the reference for every shape, T, and planted values") {
     test::Rng rng(41);
     int cases = 0;
     for (std::size_t rows : {1u, 3u, 4u, 5u, 64u, 333u})
         for (std::size_t cols : {1u, 15u, 16u, 17u, 31u, 32u, 33u, 48u, 64u, 168u, 1024u})
-            for (std::size_t tokens : {1u, 2u, 3u, 4u, 5u, 9u}) {
+            for (std::size_t tokens : {1u, 2u, 3u, 4u, 5u, 9u, 17u}) {
                 auto w = rng.bf16s(rows * cols, -2.0f, 2.0f);
                 auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
                 w[0] = 0x8000;                          // -0
@@ -45,14 +55,18 @@ TEST_CASE("4.3 matmul_bf16_simd is bit-identical to the reference for every shap
                 x[cols - 1] = 1e-38f;                   // denormal-adjacent input
                 std::vector<float> a(tokens * rows), b(tokens * rows);
                 matmul_bf16_ref(a.data(), x.data(), w.data(), tokens, rows, cols);
-                matmul_bf16_simd(b.data(), x.data(), w.data(), tokens, rows, cols);
-                CAPTURE(rows);
-                CAPTURE(cols);
-                CAPTURE(tokens);
-                CHECK_BITS_EQ(b, a);
+                for (const auto& path : fast_paths()) {
+                    const char* name = path.first;  // (clang 14 cannot capture structured bindings)
+                    path.second(b.data(), x.data(), w.data(), tokens, rows, cols, 0);
+                    CAPTURE(name);
+                    CAPTURE(rows);
+                    CAPTURE(cols);
+                    CAPTURE(tokens);
+                    CHECK_BITS_EQ(b, a);
+                }
                 ++cases;
             }
-    CHECK(cases == 396);
+    CHECK(cases == 462);
 }
 
 TEST_CASE("4.3 T tokens at once give, row by row, exactly the bits of T single matvecs") {
@@ -82,6 +96,17 @@ TEST_CASE("4.3 one thread and two threads give the same bits") {
     matvec_bf16(d.data(), x.data(), w.data(), rows, cols);
     CHECK_BITS_EQ(b, a);
     CHECK_BITS_EQ(d, c);
+    for (const auto& path : fast_paths()) {
+        const char* name = path.first;
+        CAPTURE(name);
+        for (int threads : {1, 2}) {
+            set_threads(threads);
+            path.second(b.data(), x.data(), w.data(), 3, rows, cols, 0);
+            path.second(d.data(), x.data(), w.data(), 1, rows, cols, 0);
+            CHECK_BITS_EQ(b, a);
+            CHECK_BITS_EQ(d, c);
+        }
+    }
 }
 
 TEST_CASE("4.4 matvec_bf16 agrees with the float64 reference within 1e-6 relative") {
@@ -105,8 +130,12 @@ TEST_CASE("4.4 an input width off the 16 lanes (24) worked by hand: columns 16..
     std::vector<float> x(48, 0.0f), y(2);
     x[0] = x[16] = 0x1p20f, x[1] = x[17] = 1.0f;
     x[24] = 0x1p24f, x[24 + 16] = 1.0f, x[24 + 8] = 1.0f;
-    for (auto kernel : {matmul_bf16_ref, matmul_bf16_simd}) {
-        kernel(y.data(), x.data(), w.data(), 2, 1, 24, 1);  // token 0 and token 1 (x rows of 24)
+    auto kernels = fast_paths();
+    kernels.push_back({"ref", matmul_bf16_ref});
+    for (const auto& path : kernels) {
+        const char* name = path.first;
+        CAPTURE(name);
+        path.second(y.data(), x.data(), w.data(), 2, 1, 24, 1);  // token 0 and token 1 (x rows of 24)
         CHECK(y[0] == 0x1p21f + 2.0f);
         CHECK(y[1] == 0x1p24f);
     }
