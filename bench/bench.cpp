@@ -62,6 +62,30 @@ double read_bandwidth(const std::vector<float>& buf, int threads) {
     return double(buf.size() * sizeof(float)) / sec;
 }
 
+// The last-level cache, from sysfs (0 when unknown). A working set meant to come from memory must be
+// several times larger: some servers have 100s of MB of L3 (one machine here reports 480 MiB).
+std::size_t llc_bytes() {
+    std::size_t best = 0;
+    for (int i = 0; i < 8; ++i) {
+        const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+        std::FILE* f = std::fopen((dir + "size").c_str(), "r");
+        if (!f) continue;
+        char unit = 0;
+        unsigned long v = 0;
+        if (std::fscanf(f, "%lu%c", &v, &unit) >= 1) {
+            std::size_t b = v;
+            if (unit == 'K') b <<= 10;
+            else if (unit == 'M') b <<= 20;
+            best = std::max(best, b);
+        }
+        std::fclose(f);
+    }
+    return best;
+}
+
+// Bytes a "streamed" working set spans: at least `floor`, and at least 4x the last-level cache.
+std::size_t stream_bytes(std::size_t floor) { return std::max(floor, 4 * llc_bytes()); }
+
 struct Limits {
     double bw1 = 0, bw2 = 0;  // memory read, 1 and 2 threads
     double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
@@ -98,35 +122,44 @@ void row(const char* kernel, const char* path, int threads, double weights, doub
 }
 
 void bench_bf16(const Limits& lim) {
-    std::printf("\n4.x bf16 matvec at K3 size (weights streamed from memory: each matrix is 88-176 MB)\n");
+    const std::size_t matrix = std::size_t(12288) * 7168 * 2, copies = std::max<std::size_t>(1, (stream_bytes(matrix) + matrix - 1) / matrix);
+    std::printf("\n4.x bf16 matvec at K3 size (weights streamed from memory: %zu copies of each 176 MB matrix, called in turn)\n", copies);
     std::printf("  %-34s %-6s %2s  %12s  %12s  %12s  %s\n", "kernel", "path", "th", "median", "weights", "bytes", "ratio");
     test::Rng rng(7);
     struct Shape {
         const char* name;
         std::size_t rows, cols;
     };
+    using Fn = void (*)(float*, const float*, const bf16*, std::size_t, std::size_t, std::size_t, std::size_t);
+    std::vector<std::pair<const char*, Fn>> paths = {{"simd", matmul_bf16_simd}, {"ref", matmul_bf16_ref}};
+    if (cpu_isa() >= Isa::avx512) paths.insert(paths.begin(), {"avx512", matmul_bf16_avx512});
+    const auto w = rng.bf16s(copies * matrix / 2);
     for (const Shape& s : {Shape{"KDA q_proj 7168 -> 12288", 12288, 7168}, Shape{"KDA o_proj 12288 -> 7168", 7168, 12288}}) {
-        const auto w = rng.bf16s(s.rows * s.cols);
         const auto x = rng.floats(s.cols);
         std::vector<float> y(s.rows);
         const double weights = double(s.rows * s.cols), bytes = weights * 2;
         for (int threads : {1, 2}) {
             set_threads(threads);
-            row(s.name, "simd", threads, weights, bytes,
-                median_seconds(g_reps, [&] { matvec_bf16_simd(y.data(), x.data(), w.data(), s.rows, s.cols); }), lim);
-            row(s.name, "ref", threads, weights, bytes,
-                median_seconds(std::min(g_reps, 3), [&] { matvec_bf16_ref(y.data(), x.data(), w.data(), s.rows, s.cols); }), lim);
+            for (auto [name, fn] : paths) {
+                std::size_t call = 0;  // each call reads the next copy
+                const int reps = std::string(name) == "ref" ? std::min(g_reps, 3) : g_reps;
+                row(s.name, name, threads, weights, bytes, median_seconds(reps, [&] {
+                        fn(y.data(), x.data(), w.data() + (call++ % copies) * s.rows * s.cols, 1, s.rows, s.cols, 0);
+                    }), lim);
+            }
         }
     }
 }
 
 void bench_mxfp4(const Limits& lim) {
-    std::printf("\n5.x MXFP4 matvec at K3 size (16 distinct experts: 281 MB, so reads come from memory)\n");
-    std::printf("  %-34s %-6s %2s  %12s  %12s  %12s  %s\n", "kernel", "path", "th", "median/call", "weights", "weight bytes", "ratio");
-    const std::size_t F = 3072, L = 3584, E = 16;
+    const std::size_t F = 3072, L = 3584;
     const std::size_t p13 = F * L / 2, s13 = F * L / 32;  // w1/w3: [3072, 3584]
     const std::size_t p2 = L * F / 2, s2 = L * F / 32;    // w2:    [3584, 3072]
     const std::size_t expert_bytes = 3 * (p13 + s13);
+    const std::size_t E = std::max<std::size_t>(16, (stream_bytes(0) + expert_bytes - 1) / expert_bytes);  // distinct experts
+    std::printf("\n5.x MXFP4 matvec at K3 size (%zu distinct experts: %.0f MB, called in turn, so reads come from memory)\n", E,
+                double(E * expert_bytes) / 1e6);
+    std::printf("  %-34s %-6s %2s  %12s  %12s  %12s  %s\n", "kernel", "path", "th", "median/call", "weights", "weight bytes", "ratio");
     std::printf("  one expert = 3 x (%zu + %zu) = %zu bytes (K3: 17,547,264)\n", p13, s13, expert_bytes);
     // expert e: w1 packed, w1 scale, w3 packed, w3 scale, w2 packed, w2 scale (back to back)
     std::vector<std::uint8_t> arena(E * expert_bytes);
@@ -142,7 +175,8 @@ void bench_mxfp4(const Limits& lim) {
     std::vector<float> yF(F), yL(L);
     using Fn = void (*)(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t, std::size_t);
     std::vector<std::pair<const char*, Fn>> paths = {{"simd", matmul_mxfp4_simd}, {"ref", matmul_mxfp4_ref}};
-    if (kHaveAvx2Kernel) paths.insert(paths.begin(), {"avx2", matmul_mxfp4_avx2});
+    if (cpu_isa() >= Isa::avx2) paths.insert(paths.begin(), {"avx2", matmul_mxfp4_avx2});
+    if (cpu_isa() >= Isa::avx512) paths.insert(paths.begin(), {"avx512", matmul_mxfp4_avx512});
     for (int threads : {1, 2}) {
         set_threads(threads);
         for (auto [name, fn] : paths) {
@@ -157,21 +191,24 @@ void bench_mxfp4(const Limits& lim) {
                 for (std::size_t e = 0; e < E; ++e) fn(yL.data(), xF.data(), mat(e, 2), mat(e, 2) + p2, 1, L, F);
             }) / double(E);
             row("expert w2 3072 -> 3584", name, threads, double(L * F), double(p2 + s2), sec, lim);
+            std::size_t next = 0;  // each repetition takes the next 16 experts
             sec = median_seconds(reps, [&] {
-                for (std::size_t e = 0; e < E; ++e) {
+                for (std::size_t k = 0; k < 16; ++k) {
+                    const std::size_t e = next++ % E;
                     fn(yF.data(), xL.data(), mat(e, 0), mat(e, 0) + p13, 1, F, L);
                     fn(yF.data(), xL.data(), mat(e, 1), mat(e, 1) + p13, 1, F, L);
                     fn(yL.data(), xF.data(), mat(e, 2), mat(e, 2) + p2, 1, L, F);
                 }
             });
-            row("16 experts back to back (w1,w3,w2)", name, threads, double(E) * 3 * w13, double(E * expert_bytes), sec, lim);
+            row("16 experts back to back (w1,w3,w2)", name, threads, 16.0 * 3 * w13, double(16 * expert_bytes), sec, lim);
         }
     }
 
     // T tokens against one read of the weights (chunked prefill, speculative verification): each weight
-    // is decoded once per group of up to 4 tokens (chapter 05's tokens kernels). Streamed: the w1 matrices of the 16 experts in turn; hot: one expert's w1 again
+    // is decoded once per group of up to 4 tokens (chapter 05's tokens kernels). Streamed: the w1 matrices of the distinct experts in turn; hot: one expert's w1 again
     // and again (5.85 MB: in the last-level cache, not in L2).
-    std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072; the fast path of this build)\n");
+    std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072; the fast path on this machine: %s)\n",
+                mxfp4_kernel_name());
     std::printf("  %-8s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "weights", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
     const std::size_t Tmax = 16;
     const auto xs = rng.floats(Tmax * L);
@@ -226,10 +263,13 @@ int main(int argc, char** argv) {
     }
     std::printf("kimik3-bench: SIMD %s (%d floats), %d threads available, median of %d runs\n", simd::arch_name(), simd::W,
                 max_threads(), g_reps);
-    std::printf("\nmachine limits, measured now: plain read of a 512 MB buffer (memory), and of 256 kB (L2)\n");
+    std::printf("  this CPU runs %s kernels; in use: %s (bf16), %s (MXFP4); last-level cache %.0f MiB\n", isa_name(cpu_isa()),
+                bf16_kernel_name(), mxfp4_kernel_name(), double(llc_bytes()) / double(1 << 20));
+    const std::size_t read_bytes = stream_bytes(std::size_t(512) << 20);
+    std::printf("\nmachine limits, measured now: plain read of a %.0f MB buffer (memory), and of 256 kB (L2)\n", double(read_bytes) / 1e6);
     Limits lim;
     {
-        std::vector<float> buf(std::size_t(128) << 20, 1.0f);
+        std::vector<float> buf(read_bytes / sizeof(float), 1.0f);
         lim.bw1 = read_bandwidth(buf, 1);
         lim.bw2 = read_bandwidth(buf, 2);
     }

@@ -58,7 +58,10 @@ std::string usage() {
         u += line;
     }
     return u + "\nexit codes: 0 ok, 1 runtime failure, 2 usage error or refused config/checkpoint,\n"
-               "            3 memory budget refused, 4 a weight read failed\n";
+               "            3 memory budget refused, 4 a weight read failed\n"
+               "\nenvironment: KIMIK3_SCALAR=1 runs the reference kernels (the same bits, slowly);\n"
+               "             KIMIK3_ISA=xsimd|avx2|avx512 caps the kernels picked for this CPU;\n"
+               "             OMP_NUM_THREADS=N the default thread count\n";
 }
 
 }  // namespace
@@ -77,6 +80,7 @@ int main(int argc, char** argv) {
     if (args[0] == "help") return std::fputs(it->second.usage, stdout), kExitOk;
     args.erase(args.begin());
     try {
+        (void)kernel_isa();  // a bad KIMIK3_ISA is refused here, before any work
         return it->second.run(args);
     } catch (const Usage& e) {
         std::fprintf(stderr, "kimik3 %s: %s", cmd.c_str(), e.what());
