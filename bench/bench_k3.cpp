@@ -14,8 +14,9 @@
 //   * the overlap ratio at the floor: wall time per token / max(I/O time, compute time), where I/O time =
 //     bytes read per token / dd bandwidth, compute time = the resident run's time per token;
 //   * peak RSS (getrusage, from the run's JSON) against the plan at each budget;
-//   * the projected full-K3 seconds per token (93 layers from the per-kind times) at the laptop preset and
-//     at the floor, next to the disk floor = bytes read per token / dd bandwidth.
+//   * the projected full-K3 seconds per token (93 layers from the per-kind times) at the floor and the
+//     laptop and server presets, next to the disk floor = bytes read per token / dd bandwidth, and the
+//     full K3's compute alone (every layer resident, no reads: what the kernels cost a token).
 // Every figure is a median; results also go to a JSON file and an SVG chart (I/O and compute per token).
 #include <sys/wait.h>
 
@@ -255,7 +256,7 @@ int main(int argc, char** argv) {
         json projections = json::object();
         std::vector<std::tuple<std::string, double, double>> bars = {
             {"K3-shaped, floor (measured)", io_time, std::max(0.0, wall - io_time)}, {"K3-shaped, resident (measured)", 0.0, compute}};
-        for (const char* preset : {"floor", "laptop"}) {
+        for (const char* preset : {"floor", "laptop", "server"}) {
             const std::uint64_t budget = std::string(preset) == "floor" ? make_plan(k3, s3, 0, PlanOptions{}).floor : preset_bytes(preset);
             const Plan p = make_plan(k3, s3, budget, PlanOptions{});
             double t = 0;
@@ -277,7 +278,15 @@ int main(int argc, char** argv) {
             bars.push_back({std::string("full K3 at ") + preset + " (projected)", disk_floor, std::max(0.0, t - disk_floor)});
         }
         std::printf("  (streamed layers take their measured floor time; pinned ones the resident time plus reading their\n"
-                    "   16 experts at the measured expert fetch rate; the lm_head likewise)\n");
+                    "   16 experts at the measured expert fetch rate, with no cache hits; the lm_head likewise)\n");
+        // the compute alone: every layer resident and every expert in memory (the kernels' share of a token)
+        double compute_k3 = res_head;
+        for (int l = 0; l < k3.num_hidden_layers; ++l) {
+            const bool moe = k3.layers[std::size_t(l)].ffn == FfnKind::MoE, mla = k3.layers[std::size_t(l)].attn == AttnKind::MLA;
+            compute_k3 += !moe ? res_layer[0] : mla ? res_layer[3] : (res_layer[1] + res_layer[2]) / 2;
+        }
+        std::printf("\nprojected full K3 compute per token, everything in memory (no reads): %.2f s on %d threads\n", compute_k3, max_threads());
+        projections["compute_resident"] = {{"seconds_per_token", compute_k3}};
 
         json out = {{"checkpoint", dir},
                     {"disk_bytes_per_second", disk},

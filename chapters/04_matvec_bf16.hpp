@@ -131,8 +131,8 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
                        std::size_t cols) {  // y (NT, stride) at row 0, xp (NT, in) permuted, w (R, in)
     constexpr int A = simd::kBatchesPer16;
     simd::f32 acc[R][NT][A];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t)
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
             for (int a = 0; a < A; ++a) acc[r][t][a] = simd::splat(0.0f);
     const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
     const std::size_t full = full_chunks(cols);
@@ -154,8 +154,8 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
             }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) {
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
             float lanes[kLanes];
             lanes_in_order(lanes, acc[r][t]);
             const bf16* wr = w + std::size_t(r) * cols;
@@ -236,8 +236,8 @@ template <int R, int NT>
 KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t y_stride, const float* x, std::size_t x_stride, const bf16* w,
                                                    std::size_t cols) {  // y (NT, stride) at row 0, x (NT, in), w (R, in)
     __m512 acc[R][NT];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
     const std::size_t full = full_chunks(cols);
     std::size_t c = 0;
     for (; c + 2 * kLanes <= full; c += 2 * kLanes) {  // a 64-byte line of each row: ask for the line 2 kB ahead too
@@ -246,8 +246,8 @@ KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t y_strid
         bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c + kLanes);
     }
     if (c < full) bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) {
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
             float lanes[kLanes];
             _mm512_storeu_ps(lanes, acc[r][t]);
             const bf16* wr = w + std::size_t(r) * cols;

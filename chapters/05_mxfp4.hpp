@@ -210,8 +210,8 @@ inline void mxfp4_row_simd(float* y, std::size_t y_stride, const float* x, std::
     simd::u32 shift[PerWord];
     for (int k = 0; k < PerWord; ++k) shift[k] = nibble_shifts(k * simd::W);
     simd::f32 acc[NT][A];
-    for (int t = 0; t < NT; ++t)
-        for (int a = 0; a < A; ++a) acc[t][a] = simd::splat(0.0f);
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+        KIMIK3_UNROLL for (int a = 0; a < A; ++a) acc[t][a] = simd::splat(0.0f);
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {            // one MX block: 32 columns, 4 words
         simd::f32 w[4 * PerWord];                                   // the block's 32 weights
         const simd::f32 scale = simd::splat(kE8M0.value[srow[b]]);
@@ -227,7 +227,7 @@ inline void mxfp4_row_simd(float* y, std::size_t y_stride, const float* x, std::
                 acc[t][i % A] = acc[t][i % A] + w[i] * xv;
             }
     }
-    for (int t = 0; t < NT; ++t) {
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
         float lanes[kLanes];
         for (int a = 0; a < A; ++a) simd::store(lanes + a * simd::W, acc[t][a]);
         y[std::size_t(t) * y_stride] = hsum16(lanes);
@@ -318,7 +318,7 @@ KIMIK3_TARGET_AVX2 inline void mxfp4_row_avx2(float* y, std::size_t y_stride, co
     // y (NT, stride) at this row, x (NT, in), prow (in/2), srow (in/32)
     const Avx2Decoder dec;
     __m256 acc[NT][2];
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {             // one MX block: 32 columns, 4 words
         __m256 w[4];
         const __m256 table_scaled = dec.scaled_table(srow[b]);
@@ -330,7 +330,7 @@ KIMIK3_TARGET_AVX2 inline void mxfp4_row_avx2(float* y, std::size_t y_stride, co
                 acc[t][word % 2] = _mm256_add_ps(acc[t][word % 2], _mm256_mul_ps(w[word], xv));
             }
     }
-    for (int t = 0; t < NT; ++t) {
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
         float lanes[kLanes];
         _mm256_storeu_ps(lanes, acc[t][0]);
         _mm256_storeu_ps(lanes + 8, acc[t][1]);
@@ -403,8 +403,8 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
 // Prefetch: streamed from memory, the four rows left one thread at half its in-cache speed (the
 // hardware prefetcher does not run far enough ahead of four interleaved streams of 1.5-1.8 kB rows).
 // Asking, once per 64-byte line, for the same line of the NEXT four rows (7 kB ahead on the w1 shape)
-// took the w1 matvec from 10.8 to 18.3 Gw/s at 1 thread and from 19.1 to 35.6 at 2 (make bench;
-// distances of 0.25-4 kB gave 13-16 Gw/s, 8-14 kB the same as 7).
+// took the w1 matvec from 10.8 to 16.5-18.3 Gw/s at 1 thread and from 19.1 to 31-35 at 2 (make bench,
+// several runs; distances of 0.25-4 kB gave 13-16 Gw/s, 8-14 kB the same as 7).
 #if KIMIK3_X86_KERNELS
 // g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "may be used
 // uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
@@ -428,49 +428,65 @@ inline std::vector<float>& avx512_scratch(std::size_t n) {  // one per calling t
     return buf;
 }
 
+// One MX block (32 columns, 16 bytes and one scale per row) of R rows, added into NT tokens' sums.
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 __attribute__((always_inline)) inline void mxfp4_block_avx512(
+    __m512 (&acc)[R][NT], __m512 e2m1, __m512i shifts, const float* xp, std::size_t x_stride, const std::uint8_t* prow,
+    std::size_t pstride, const std::uint8_t* srow, std::size_t sstride, std::size_t b) {
+    __m512 lo[R], hi[R];  // columns 0-15 and 16-31 of the block
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(kE8M0.value[srow[std::size_t(r) * sstride + b]]));
+        const std::uint8_t* p = prow + std::size_t(r) * pstride + b * (kMxBlock / 2);
+        std::uint64_t q0, q1;
+        std::memcpy(&q0, p, 8);
+        std::memcpy(&q1, p + 8, 8);
+        lo[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q0), shifts), table);
+        hi[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q1), shifts), table);
+    }
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+        const float* xb = xp + std::size_t(t) * x_stride + b * kMxBlock;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + kLanes);
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+            acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(lo[r], x0));  // columns 0-15 first,
+            acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(hi[r], x1));  // then 16-31: lane order
+        }
+    }
+}
+
 template <int R, int NT>
 KIMIK3_TARGET_AVX512 inline void mxfp4_rows_avx512(float* y, std::size_t y_stride, const float* xp, std::size_t x_stride,
                                                    const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
     // y (NT, stride) at row 0, xp (NT, in) permuted, prow (R, in/2), srow (R, in/32)
-    const std::size_t pstride = cols / 2, sstride = cols / kMxBlock;
+    const std::size_t pstride = cols / 2, sstride = cols / kMxBlock, blocks = cols / kMxBlock;
     const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
     const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     __m512 acc[R][NT];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (std::size_t b = 0; b < cols / kMxBlock; ++b) {  // one MX block: 32 columns, 16 bytes, one scale
-        __m512 lo[R], hi[R];                              // columns 0-15 and 16-31 of the block
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (std::size_t b = 0; b < blocks; ++b) {
         if (b % 4 == 0)  // once per 64-byte line of each row: ask for the same line of the next 4 rows
             KIMIK3_UNROLL for (int r = 0; r < R; ++r)
                 _mm_prefetch(reinterpret_cast<const char*>(prow + std::size_t(r + 4) * pstride + b * (kMxBlock / 2)), _MM_HINT_T0);
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-            const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(kE8M0.value[srow[std::size_t(r) * sstride + b]]));
-            const std::uint8_t* p = prow + std::size_t(r) * pstride + b * (kMxBlock / 2);
-            std::uint64_t q0, q1;
-            std::memcpy(&q0, p, 8);
-            std::memcpy(&q1, p + 8, 8);
-            lo[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q0), shifts), table);
-            hi[r] = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q1), shifts), table);
-        }
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-            const float* xb = xp + std::size_t(t) * x_stride + b * kMxBlock;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + kLanes);
-            KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(lo[r], x0));  // columns 0-15 first,
-                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(hi[r], x1));  // then 16-31: lane order
-            }
-        }
+        mxfp4_block_avx512<R, NT>(acc, e2m1, shifts, xp, x_stride, prow, pstride, srow, sstride, b);
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) {
-            float reg[kLanes], lanes[kLanes];
-            _mm512_storeu_ps(reg, acc[r][t]);
-            for (int p = 0; p < kLanes; ++p) lanes[avx512_column(p)] = reg[p];
+    // back to logical order in the register (lane l comes from position 2l, or 2(l - 8) + 1), then the tree.
+    // (Permuting through memory instead made g++ keep every accumulator on the stack for the whole loop.)
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            _mm512_storeu_ps(lanes, _mm512_permutexvar_ps(order, acc[r][t]));
             y[std::size_t(t) * y_stride + std::size_t(r)] = hsum16(lanes);
         }
 }
 
-// R rows for every token: 4 tokens at a time, then the remaining 3, 2 or 1 together.
+// R rows for every token: 4 tokens at a time, then the remaining 3, 2 or 1 together. Measured on the w1
+// shape streamed, 1 thread (make bench): 2, 3, 4 and 16 tokens cost 1.1x, 1.4x, 1.6-1.7x and 6.5x one
+// token's 0.64-0.66 ms (16 tokens: 4.3 ms). What binds at 16 is arithmetic, not the decode: with no
+// FMA (chapter 00) every weight costs each token one multiply and one add, 11 M register multiply+add
+// pairs for this matrix at the 3.85 G pairs/s this core sustains: 2.9 ms, 4.5x one token, whatever
+// the tiling. Tried and slower: 1 row x 16 tokens (x re-read from L2 for every row: 7.0 ms), 2 rows x
+// 8 tokens (5.6 ms), and the block loop unrolled by 4 (5.8 ms: the 4 x 4 tile then spills).
 template <int R>
 KIMIK3_TARGET_AVX512 inline void mxfp4_tokens_avx512(float* y, std::size_t ldy, const float* xp, std::size_t tokens,
                                                      const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
