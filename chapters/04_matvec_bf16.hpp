@@ -205,11 +205,12 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
 // read unpermuted. Rows four at a time when there is one token (four independent chains of additions
 // and each load of x shared), tokens eight at a time otherwise.
 #if KIMIK3_X86_KERNELS
-// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "may be used
+// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "is (or may be) used
 // uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 namespace detail {
 

@@ -406,11 +406,12 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
 // took the w1 matvec from 10.8 to 16.5-18.3 Gw/s at 1 thread and from 19.1 to 31-35 at 2 (make bench,
 // several runs; distances of 0.25-4 kB gave 13-16 Gw/s, 8-14 kB the same as 7).
 #if KIMIK3_X86_KERNELS
-// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "may be used
+// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "is (or may be) used
 // uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 namespace detail {
 
