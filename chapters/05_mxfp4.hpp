@@ -369,6 +369,8 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
     if (cpu_isa() < Isa::avx2) fail(ErrorKind::runtime, "matmul_mxfp4_avx2: this CPU has no AVX2");
 #if KIMIK3_X86_KERNELS
     detail::mxfp4_tiles<detail::Avx2Kernel>(y, x, packed, scales, tokens, rows, cols);
+#else
+    (void)y, (void)x, (void)packed, (void)scales, (void)tokens, (void)rows;
 #endif
 }
 
@@ -526,6 +528,8 @@ inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* pa
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         detail::mxfp4_range_avx512(y, xpp, packed, scales, tokens, rows, cols, r0, r1);
     });
+#else
+    (void)y, (void)x, (void)packed, (void)scales, (void)tokens, (void)rows;
 #endif
 }
 
