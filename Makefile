@@ -149,7 +149,7 @@ test-scalar: deps
 
 # debug: the suite under ASan + UBSan (-O1 keeps it fast enough; frame pointers for readable traces).
 debug: deps
-	@$(MAKE) --no-print-directory test VARIANT=-debug \
+	@KIMIK3_SANITIZED=1 $(MAKE) --no-print-directory test VARIANT=-debug \
 	  EXTRA="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
 	  EXTRA_LD="-fsanitize=address,undefined"
 
