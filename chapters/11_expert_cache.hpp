@@ -11,7 +11,8 @@
 //   one computes, failures that must never become weights), and measuring a cache honestly (retention
 //   across steps, not raw hits).
 //
-// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 3.6; kimi-k3-in-c's measurements: docs/prior-art.md 1)
+// WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 2.2, 3.6; kimi-k3-in-c's measurements: its README,
+//   CHANGELOG and PERFORMANCE.md at github.com/FareedKhan-dev/kimi-k3-in-c)
 //   One expert = six U8 tensors stored back to back: 3 x (5,505,024 + 344,064) = 17,547,264 bytes
 //   (= 4284 x 4096). 896 experts x 92 MoE layers = 82,432 experts. A token routes to 16 per layer:
 //   16 x 17.5 MB = 281 MB per token-layer, 25.8 GB per token when nothing is kept.
@@ -24,13 +25,12 @@
 //   trained for that: the selection bias of chapter 10) a request finds its expert resident with
 //   probability about S / 82,432: 887 slots (the server preset's 15.6 GB) keep at most ~1.1% of
 //   requests, 2,050 slots (36 GB) ~2.5%, and every 1% more costs 824 slots = 14.5 GB, against 25.8 GB
-//   read per token. The engine before us, kimi-k3-in-c (github.com/FareedKhan-dev/kimi-k3-in-c,
-//   docs/PERFORMANCE.md; its figures are collected in this repository's docs/prior-art.md, section 1),
-//   measured exactly that: its LRU cache retained 0% below ~36 GB of arena, and memory did more good
-//   holding the trunk. A cache pays only where routing is skewed (a few experts per layer taking most
-//   requests), so size it from a recorded trace (section 11.6) before giving it memory. make run-11
-//   replays K3-shaped traces with balanced and with skewed routing at 887, 1,472 and 2,944 slots to
-//   show both cases.
+//   read per token. The engine before us, kimi-k3-in-c (github.com/FareedKhan-dev/kimi-k3-in-c, its
+//   PERFORMANCE.md), measured exactly that: its LRU cache retained 0% below ~36 GB of arena, and memory
+//   did more good holding the trunk. A cache pays only where routing is skewed (a few experts per layer
+//   taking most requests), so size it from a recorded trace (section 11.6) before giving it memory.
+//   make run-11 replays K3-shaped traces with balanced and with skewed routing at 887, 1,472 and 2,944
+//   slots to show both cases.
 //
 // CONCEPTS
 //   slot          room for one whole expert: the largest aligned read of any expert, a multiple of 4096
@@ -38,7 +38,7 @@
 //   O_DIRECT      reads that bypass the page cache: the device writes straight into our buffer, so the
 //                 buffer, the file offset and the length must be multiples of 4096. Buffered reads of a
 //                 1.45 TB working set only churn the page cache (kimi-k3-in-c measured 1.9 GB/s buffered
-//                 against 6.6 GB/s direct: docs/prior-art.md, section 1).
+//                 against 6.6 GB/s direct, in its published measurements).
 //   widened read  the aligned range around an expert: [offset rounded down, end rounded up to 4096).
 //                 The expert starts at offset % 4096 inside the slot; at the end of a file the read
 //                 stops early, which is fine once the expert's last byte has arrived.
@@ -46,7 +46,7 @@
 //   step          begin_step() starts one: a decoded token or a prefill chunk.
 //   retention     a hit on an expert loaded in an EARLIER step. A hit within the same step (an id twice
 //                 in a batch, a layer run twice) says nothing about keeping experts across tokens; the
-//                 raw "hits" kimi-k3-in-c reported (docs/prior-art.md, section 1) counted experts the
+//                 raw "hits" kimi-k3-in-c reported (its PERFORMANCE.md) counted experts the
 //                 same batch had just read.
 //   trace         every (step, layer, expert) request in order. Routing never depends on the cache (the
 //                 router sees activations, not residency), so replaying a trace under another policy or
@@ -93,12 +93,13 @@
 //     of the model's output: the provider only decides where weights come from.
 //
 // LEAVES OUT  speculative prefetch of experts the router has not chosen yet (kimi-k3-in-c measured it
-//   as a loss: docs/prior-art.md, section 1), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides
+//   as a loss, in its published measurements), pinned hot experts, macOS F_NOCACHE. Chapter 12 decides
 //   how much memory the cache gets.
 //
 // SOURCES  Belady, "A study of replacement algorithms for a virtual-storage computer", IBM Systems
 //          Journal 5(2), 1966 (the optimum the simulator replays); Eliseev and Mazur, arXiv:2312.17238
-//          (LRU expert offloading); FareedKhan-dev/kimi-k3-in-c (docs/prior-art.md section 1). docs/sources.md 11.
+//          (LRU expert offloading); FareedKhan-dev/kimi-k3-in-c (its README, CHANGELOG and
+//          PERFORMANCE.md). docs/sources.md 11.
 // USES     chapters 00 (Error), 01 (Fd, AlignedBuffer, pread_exact, pread_hook), 02 (ExpertLocation,
 //          human_bytes), 05 (check_e8m0_scales), 06 (ExpertWeights), 10 (ExpertProvider)
 // RUN      make run-11      TEST   make test-11      BENCH   make bench (bench/bench_experts.hpp)
