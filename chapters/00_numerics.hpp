@@ -519,17 +519,33 @@ inline const char* isa_name(Isa i) { return i == Isa::avx512 ? "avx512" : i == I
 #define KIMIK3_X86_KERNELS 0
 #endif
 
-// The widest set this CPU runs (xsimd on a machine that is not x86-64, or with a compiler other than
-// g++/clang++).
-inline Isa cpu_isa() {
-#if KIMIK3_X86_KERNELS
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl"))
-        return Isa::avx512;
-    if (__builtin_cpu_supports("avx2")) return Isa::avx2;
+// Around the AVX-512 kernels: g++ 12 warns that the `undefined` register inside its own AVX-512
+// intrinsics "is (or may be) used uninitialized" when the file is not compiled with -mavx512f (GCC bug
+// 105593); the warning is about the compiler's header, not the kernel.
+#if defined(__GNUC__) && !defined(__clang__)
+#define KIMIK3_AVX512_BEGIN                                                                       \
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+        _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#define KIMIK3_AVX512_END _Pragma("GCC diagnostic pop")
+#else
+#define KIMIK3_AVX512_BEGIN
+#define KIMIK3_AVX512_END
 #endif
-    return Isa::xsimd;
+
+// The widest set this CPU runs (xsimd on a machine that is not x86-64, or with a compiler other than
+// g++/clang++). Asked once: the kernels call it on every matmul.
+inline Isa cpu_isa() {
+    static const Isa isa = [] {
+#if KIMIK3_X86_KERNELS
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512vl"))
+            return Isa::avx512;
+        if (__builtin_cpu_supports("avx2")) return Isa::avx2;
+#endif
+        return Isa::xsimd;
+    }();
+    return isa;
 }
 
 // The instruction set the kernels use: the CPU's, capped by KIMIK3_ISA when set. Read once; a bad
@@ -549,5 +565,16 @@ inline Isa kernel_isa() {
 
 // True when the kernels may use `i`. Dispatchers test use_simd first: KIMIK3_SCALAR means the reference.
 inline bool isa_enabled(Isa i) { return kernel_isa() >= i; }
+
+namespace detail {
+// Scratch for an input permuted into a kernel's register order (chapter 04's even/odd order, chapter
+// 05's AVX-512 order), one per calling thread. A kernel fills it before forking and reads it until it
+// returns; no kernel calls another meanwhile, so they can share it.
+inline std::vector<float>& permuted_scratch(std::size_t n) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf;
+}
+}  // namespace detail
 
 }  // namespace kimik3

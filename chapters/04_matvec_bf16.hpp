@@ -116,13 +116,6 @@ inline void lanes_in_order(float lanes[kLanes], const simd::f32* acc) {  // acc 
         for (int j = 0; j < simd::W; ++j) lanes[lane_of(a, j)] = reg[a * simd::W + j];
 }
 
-// Scratch for permuted inputs, one per thread that calls a kernel (kernels call it before forking).
-inline std::vector<float>& permuted_scratch(std::size_t n) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf;
-}
-
 // The inner loop: R rows x NT tokens at once, so that each weight load feeds NT tokens and each x load
 // feeds R rows, and R*NT*16/W independent additions are in flight. Every (row, token) pair keeps its
 // own 16/W registers, updated chunk by chunk in order: the same bits as one row and one token alone.
@@ -205,13 +198,7 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
 // read unpermuted. Rows four at a time when there is one token (four independent chains of additions
 // and each load of x shared), tokens eight at a time otherwise.
 #if KIMIK3_X86_KERNELS
-// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "is (or may be) used
-// uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+KIMIK3_AVX512_BEGIN  // (g++ 12's false warnings on its own intrinsics: chapter 00's 0.9)
 namespace detail {
 
 // How far ahead of each row's reads the kernel prefetches. The hardware prefetcher alone left one
@@ -284,9 +271,7 @@ KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, co
 }
 
 }  // namespace detail
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+KIMIK3_AVX512_END
 #endif
 
 // Bit-identical to matmul_bf16_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).

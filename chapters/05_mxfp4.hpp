@@ -408,13 +408,7 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
 // took the w1 matvec from 10.8 to 16.5-18.3 Gw/s at 1 thread and from 19.1 to 31-35 at 2 (make bench,
 // several runs; distances of 0.25-4 kB gave 13-16 Gw/s, 8-14 kB the same as 7).
 #if KIMIK3_X86_KERNELS
-// g++ 12 warns that the `undefined` register inside its own AVX-512 intrinsics "is (or may be) used
-// uninitialized" when the file is not compiled with -mavx512f (GCC bug 105593); it is not ours.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+KIMIK3_AVX512_BEGIN  // (g++ 12's false warnings on its own intrinsics: chapter 00's 0.9)
 namespace detail {
 
 constexpr int avx512_column(int p) { return p % 2 == 0 ? p / 2 : p / 2 + 8; }  // the table above
@@ -423,12 +417,6 @@ constexpr int avx512_column(int p) { return p % 2 == 0 ? p / 2 : p / 2 + 8; }  /
 inline void permute_input_avx512(float* xp, const float* x, std::size_t n) {  // xp (n), x (n)
     for (std::size_t c = 0; c < n; c += kLanes)
         for (int p = 0; p < kLanes; ++p) xp[c + std::size_t(p)] = x[c + std::size_t(avx512_column(p))];
-}
-
-inline std::vector<float>& avx512_scratch(std::size_t n) {  // one per calling thread
-    thread_local std::vector<float> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf;
 }
 
 // One MX block (32 columns, 16 bytes and one scale per row) of R rows, added into NT tokens' sums.
@@ -510,9 +498,7 @@ KIMIK3_TARGET_AVX512 inline void mxfp4_range_avx512(float* y, const float* xp, c
 }
 
 }  // namespace detail
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+KIMIK3_AVX512_END
 #endif
 
 // Bit-identical to matmul_mxfp4_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
@@ -522,7 +508,7 @@ inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* pa
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
     if (cpu_isa() < Isa::avx512) fail(ErrorKind::runtime, "matmul_mxfp4_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
 #if KIMIK3_X86_KERNELS
-    std::vector<float>& xp = detail::avx512_scratch(tokens * cols);
+    std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
     for (std::size_t t = 0; t < tokens; ++t) detail::permute_input_avx512(xp.data() + t * cols, x + t * cols, cols);
     const float* xpp = xp.data();
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
