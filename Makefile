@@ -263,11 +263,12 @@ bench-serve: deps $(CLI)
 
 # bench-speculate: chapter 16 measured. The two KDA rollback strategies at the tiny K3's and K3's sizes, then
 # one token per step against speculation, side by side, over the prompt sets in bench/prompts (repetitive
-# text and plain prose) on SPEC_MODEL at its floor budget. Results in build/bench-speculate-*.json.
+# text and plain prose) on SPEC_MODEL (the trained little K3: random weights draft nothing) at its floor
+# budget. Results in build/bench-speculate-*.json.
 # bench-speculate-k3: a verify step of T tokens on the K3-shaped checkpoint (make bench-k3 writes it),
 # projected to the full K3; BENCH_SPEC_K3_ARGS="--acceptance build/bench-speculate-compare.json" adds the
 # projected seconds per generated token at the acceptance compare measured.
-SPEC_MODEL ?= fixtures/tiny-k3
+SPEC_MODEL ?= fixtures/little-k3
 $(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)

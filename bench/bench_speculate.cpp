@@ -5,12 +5,13 @@
 //       sizes: per-token snapshots against chapter 16's scratch copy + replay, time and memory per layer,
 //       projected to K3's 69 KDA layers.
 //   kimik3-bench-speculate compare MODEL_DIR [--prompts DIR]... [--budget floor|resident|SIZE] [--gen N]
-//                                 [--draft 1,2,4,8] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N] [--json FILE]
+//                                 [--draft 2,8,16,32] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N] [--json FILE]
 //       One token per step against speculation, side by side in one process, over sets of prompts (a
-//       directory of text files, one prompt each; default: bench/prompts/repetitive): acceptance, tokens
-//       per step, trunk and expert bytes per generated token (the engine's own counters), wall time per
-//       token, and a check that every run's ids and logits equal the plain run's (exit 1 if not).
-//   kimik3-bench-speculate verify-cost K3_SHAPED_DIR [--sizes 1,2,3,5,9] [--reps N] [--acceptance FILE]
+//       directory of text files, one prompt each, less the file's final line break; default:
+//       bench/prompts/repetitive): acceptance, tokens per step, trunk and expert bytes per generated token
+//       (the engine's own counters), wall time per token, and a check that every run's ids and logits
+//       equal the plain run's (exit 1 if not).
+//   kimik3-bench-speculate verify-cost K3_SHAPED_DIR [--sizes 1,2,3,5,9,17,33] [--reps N] [--acceptance FILE]
 //                                     [--json FILE]
 //       On the K3-shaped checkpoint (make bench-k3 writes it) at the floor: a verify step of T tokens
 //       against a one-token step (trunk bytes, the union of routed experts, compute), projected to the
@@ -242,7 +243,11 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
         auto& list = prompts.emplace_back(std::filesystem::path(set).filename().string(), std::vector<std::pair<std::string, Ids>>{}).second;
         for (const auto& f : files) {
             std::ifstream in(f, std::ios::binary);
-            const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+            std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+            // A text file ends in a line break that belongs to the file, not to the prompt: these prompts
+            // stop mid-sentence ("... the keeper"), and a model that sees "\n" there reads the paragraph
+            // as finished and starts another. So the file's one final "\n" is dropped.
+            if (!text.empty() && text.back() == '\n') text.pop_back();
             list.emplace_back(f.filename().string(), encode_prompt(tok, text, chat));
             longest = std::max(longest, list.back().second.size());
         }
@@ -453,7 +458,9 @@ int bench_verify_cost(const std::string& dir, const std::vector<std::size_t>& si
         std::ifstream f(acceptance_path);
         if (!f) fail(ErrorKind::usage, acceptance_path + ": cannot open");
         double num = 0, den = 0;
-        for (const auto& [set, modes] : json::parse(f)["sets"].items())
+        // a named json: a range-for over items() of json::parse(f)'s temporary would read it after its end
+        const json acc = json::parse(f);
+        for (const auto& [set, modes] : acc["sets"].items())
             for (const auto& [mode, r] : modes.items())
                 if (r.contains("union_excess_vs_independent") && mode != "0") num += r["union_excess_vs_independent"].get<double>(), den += 1;
         if (den > 0) union_ratio = num / den;
@@ -530,15 +537,15 @@ int bench_verify_cost(const std::string& dir, const std::vector<std::size_t>& si
 const char* kUsage =
     "usage: kimik3-bench-speculate rollback [--reps N]\n"
     "       kimik3-bench-speculate compare MODEL_DIR [--prompts DIR]... [--budget floor|resident|SIZE] [--gen N]\n"
-    "                              [--draft 1,2,4,8] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N]\n"
+    "                              [--draft 2,8,16,32] [--length adaptive|fixed|both] [--ngram MIN:MAX] [--chat] [--reps N]\n"
     "                              [--json FILE]\n"
-    "       kimik3-bench-speculate verify-cost K3_SHAPED_DIR [--sizes 1,2,3,5,9] [--reps N] [--acceptance FILE]\n"
+    "       kimik3-bench-speculate verify-cost K3_SHAPED_DIR [--sizes 1,2,3,5,9,17,33] [--reps N] [--acceptance FILE]\n"
     "                              [--json FILE]\n"
     "  rollback     per-token KDA snapshots against scratch + replay, at tiny and K3 sizes\n"
-    "  compare      plain against speculative decoding over prompt sets (a directory of text files each;\n"
-    "               default bench/prompts/repetitive), side by side, at the floor by default; --length: the\n"
-    "               drafter's length rule (fixed: always up to N, what the engine does, the default; adaptive:\n"
-    "               chapter 16's PromptLookup with adapt; both: side by side)\n"
+    "  compare      plain against speculative decoding over prompt sets (a directory of text files each, a\n"
+    "               file's final line break dropped; default bench/prompts/repetitive), side by side, at the\n"
+    "               floor by default; --length: the drafter's length rule (fixed: always up to N, what the\n"
+    "               engine does, the default; adaptive: chapter 16's PromptLookup with adapt; both: side by side)\n"
     "  verify-cost  a verify step of T tokens on a K3-shaped checkpoint at the floor, projected to the full K3\n"
     "               (with --acceptance: compare's JSON, the projected seconds per generated token)\n";
 
@@ -551,7 +558,7 @@ int main(int argc, char** argv) {
     std::string dir, budget = "floor", json_path, acceptance, length = "fixed";
     std::vector<std::string> sets;
     std::size_t gen = 64;
-    std::vector<std::size_t> drafts = {1, 2, 4, 8}, sizes = {1, 2, 3, 5, 9};
+    std::vector<std::size_t> drafts = {2, 8, 16, 32}, sizes = {1, 2, 3, 5, 9, 17, 33};
     DraftOptions lookup;
     bool chat = false;
     int reps = 3;
