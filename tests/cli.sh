@@ -111,11 +111,11 @@ expect "run --speculate 4: greedy 20 tokens = the reference's" 0 "^$greedy" "$bi
 expect "run --speculate: the report counts drafts and what one-token steps would read" 0 "speculation \(--speculate 3\): drafted [0-9]+, accepted [0-9]+.*one-token steps would read" \
     "$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --speculate 3 --budget $floor --context 32
 expect "run --speculate: the step table shows drafted and accepted" 0 "fed drafted accepted yielded" "$bin" run fixtures/tiny-k3 --ids $prompt --gen 4 --speculate 2
-for n in 1 8; do
+for n in 1 8 32; do
     expect "run --speculate $n: dump logits" 0 "" "$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --context 32 --quiet --budget $floor --speculate $n --dump-logits "$tmp/logits-spec$n.npy"
 done
 "$bin" run fixtures/tiny-k3 --ids $prompt,$prompt --gen 8 --context 32 --quiet --budget $floor --dump-logits "$tmp/logits-nospec.npy" >/dev/null 2>&1
-for n in 1 8; do
+for n in 1 8 32; do
     if cmp -s "$tmp/logits-nospec.npy" "$tmp/logits-spec$n.npy"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: run --speculate $n: logits differ from one token per step"; fi
 done
 a=$("$bin" run fixtures/tiny-k3 --ids $prompt --gen 16 --temperature 1 --top-k 50 --seed 9 --quiet 2>/dev/null)

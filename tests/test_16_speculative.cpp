@@ -394,7 +394,7 @@ TEST_CASE("16.4 on the little K3, prompt lookup drafts are accepted and the outp
     const Ids p(enc.begin(), enc.end());
     const Run base = plain(m, p, 32, kGreedy, 32, 128);
     const Draft lookup = [](std::span<const std::int64_t> seq, std::size_t n) { return draft_from_context(seq, n); };
-    for (std::size_t n : {2u, 4u, 8u}) {
+    for (std::size_t n : {2u, 4u, 8u, 16u, 32u}) {
         CAPTURE(n);
         const Run r = speculative(m, p, 32, kGreedy, n, lookup, 32, 128);
         check_same_run(r, base);
