@@ -319,10 +319,16 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
             const double bpt = med(n, bytes_per_token), spt = med(n, secs_per_token);
             char mode[32];
             std::snprintf(mode, sizeof mode, n.first ? (n.second ? "adapt %zu" : "spec %zu") : "plain", n.first);
-            std::printf("  %-10s %8.1f%% %10.2f %12s %14s %14s %12.4f %8.2fx %8.2fx\n", mode, 100.0 * (t.drafted ? double(t.accepted) / double(t.drafted) : 0.0),
+            // with everything resident nothing is read: no bytes ratio ("-" here, null in the JSON)
+            const auto ratio = [](double a, double b) {
+                char r[32];
+                b > 0 ? std::snprintf(r, sizeof r, "%.2fx", a / b) : std::snprintf(r, sizeof r, "-");
+                return std::string(r);
+            };
+            std::printf("  %-10s %8.1f%% %10.2f %12s %14s %14s %12.4f %9s %9s\n", mode, 100.0 * (t.drafted ? double(t.accepted) / double(t.drafted) : 0.0),
                         double(t.yielded) / double(t.steps), human_bytes(med(n, [](const Tally& x) { return x.trunk / double(x.yielded); })).c_str(),
                         human_bytes(med(n, [](const Tally& x) { return x.experts / double(x.yielded); })).c_str(), human_bytes(bpt).c_str(), spt,
-                        bpt / plain_bytes, spt / plain_secs);
+                        ratio(bpt, plain_bytes).c_str(), ratio(spt, plain_secs).c_str());
             json fed = json::object();
             for (auto [k, c] : t.fed) fed[std::to_string(k)] = c;
             if (t.independent_excess > 0)
@@ -332,7 +338,7 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
                                        {"steps", t.steps}, {"yielded", t.yielded}, {"drafted", t.drafted}, {"accepted", t.accepted},
                                        {"acceptance", t.drafted ? double(t.accepted) / double(t.drafted) : 0.0},
                                        {"tokens_per_step", double(t.yielded) / double(t.steps)}, {"steps_by_tokens_fed", fed},
-                                       {"bytes_per_token", bpt}, {"seconds_per_token", spt}, {"bytes_vs_plain", bpt / plain_bytes},
+                                       {"bytes_per_token", bpt}, {"seconds_per_token", spt}, {"bytes_vs_plain", plain_bytes > 0 ? json(bpt / plain_bytes) : json(nullptr)},
                                        {"time_vs_plain", spt / plain_secs}};
         }
         out["sets"][set] = jset;
