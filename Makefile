@@ -269,6 +269,7 @@ bench-serve: deps $(CLI)
 # projected to the full K3; BENCH_SPEC_K3_ARGS="--acceptance build/bench-speculate-compare.json" adds the
 # projected seconds per generated token at the acceptance compare measured.
 SPEC_MODEL ?= fixtures/little-k3
+BENCH_SPEC_ARGS ?= --gen 48 --reps 3
 $(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
