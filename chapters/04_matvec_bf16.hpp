@@ -14,7 +14,8 @@
 //   Every projection outside the routed experts: KDA q/k/v/g [12288, 7168] and o_proj [7168, 12288],
 //   MLA projections, the router [896, 7168], the latent down/up projections [3584, 7168]/[7168, 3584],
 //   shared experts, the dense FFN of layer 0 [33792, 7168], and lm_head [163840, 7168]. Per token
-//   about 108.8 GB of trunk weights pass through this kernel if nothing is resident (docs/prior-art.md section 1).
+//   about 108.8 GB of trunk weights pass through this kernel if nothing is resident (the release's tensor
+//   shapes, summed in docs/at-a-glance.md).
 //
 // CONCEPTS
 //   row-major [out, in]   W[r][c] at element r*in + c: one output's weights are contiguous.

@@ -9,7 +9,8 @@
 //   row of a matrix-vector product is computed on its own (chapter 04), streaming changes no bit.
 //   New since chapter 11: planning memory, overlapping I/O with compute safely, and packing the trunk.
 //
-// WHERE THIS SITS IN KIMI K3 (docs/prior-art.md section 1)
+// WHERE THIS SITS IN KIMI K3 (sizes from the release's shapes; the engine before us: kimi-k3-in-c,
+//   github.com/FareedKhan-dev/kimi-k3-in-c, its README and PERFORMANCE.md)
 //   Per layer 0.84-2.34 GB of trunk (layer 0 with the 33,792-wide dense FFN is the largest); small
 //   tensors (norms, conv taps, gate biases) ~0.7 MB per layer, always resident; the KDA states (434 MB)
 //   and the latent MLA cache (24 x 576 floats per position) always resident. The engine before us
@@ -116,7 +117,8 @@ inline std::uint64_t mem_available() {
     return 0;
 }
 
-// The named presets for the real K3 (the laptop/desktop/server presets of docs/prior-art.md), and `auto`: 90% of MemAvailable.
+// The named presets for the real K3 (the budgets of kimi-k3-in-c's laptop/desktop/server presets, about 8, 32 and
+// 128 GB: github.com/FareedKhan-dev/kimi-k3-in-c), and `auto`: 90% of MemAvailable.
 inline std::uint64_t preset_bytes(const std::string& name) {
     if (name == "laptop") return parse_size("8G");
     if (name == "desktop") return parse_size("32G");
@@ -229,7 +231,8 @@ inline std::string plan_error_floor(const Plan& p) {
            std::to_string(p.context) + "-token context";
 }
 
-// Decides the plan. Order of priorities, each justified by the measurements of docs/prior-art.md: (1) the floor: carried
+// Decides the plan. Order of priorities, each justified by a measurement (this project's, or kimi-k3-in-c's
+// published ones): (1) the floor: carried
 // state, latent KV cache, small tensors, work buffers, three ring slots (two reads in flight while the
 // consumer holds a third), two expert slots; (2) bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
 // byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert

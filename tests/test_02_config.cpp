@@ -411,7 +411,7 @@ TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches docs
     //   dense FFN (layer 0): 3 x 33792 x 7168 x 2                                 = 1,453,326,336
     //   MoE trunk: (896x7168 + 2 x 3584x7168 + 3584 + 3 x 6144x7168) x 2 + 896 x 4 =   379,857,408
     //   MLA: (1536x7168 + 1536 + 18432x1536 + 576x7168 + 512 + 24576x512 + 2 x 12288x7168) x 2 = 464,392,192
-    CHECK(s.layer_trunk_bytes[0] == 86'016ull + 887'160'832 + 640'000 + 1'453'326'336);  // 2.34 GB, the largest in docs/prior-art.md
+    CHECK(s.layer_trunk_bytes[0] == 86'016ull + 887'160'832 + 640'000 + 1'453'326'336);  // 2.34 GB, the largest layer
     CHECK(s.layer_trunk_bytes[1] == 86'016ull + 887'160'832 + 640'000 + 379'857'408);
     CHECK(s.layer_trunk_bytes[2] == s.layer_trunk_bytes[1]);
     CHECK(s.layer_trunk_bytes[3] == 86'016ull + 464'392'192 + 379'857'408);
@@ -422,7 +422,7 @@ TEST_CASE("2.7 a real-size header-only K3 (sparse data): the census matches docs
     std::uint64_t file_data = 0;
     for (const auto& sh : ck.shards()) file_data += sh->size() - sh->header().data_start;
     CHECK(s.bytes == file_data);
-    // The full 93-layer trunk extrapolated from these per-kind sizes is the 108.81 GB of docs/prior-art.md.
+    // The full 93-layer trunk extrapolated from these per-kind sizes: 108.81 GB, the size of kimi-k3-in-c's trunk file.
     const double trunk93 = double(s.layer_trunk_bytes[0]) + 68.0 * double(s.layer_trunk_bytes[1]) + 24.0 * double(s.layer_trunk_bytes[3]);
     CHECK(trunk93 / 1e9 == doctest::Approx(108.81).epsilon(0.001));
 }

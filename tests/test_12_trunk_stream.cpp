@@ -56,7 +56,7 @@ TEST_CASE("12.2 the census from a config alone equals the census of the bound ch
 TEST_CASE("12.2 the real K3's floor is under 2 GB at a 4k context; budgets below it are refused with the floor") {
     const Config c = load_config(test::source_path("fixtures/k3-release/config.json"));
     const Census s = config_census(c);
-    // the 108.81 GB of docs/prior-art.md, from the shapes of docs/kimi-k3.md section 2: 2,341,213,184 (layer 0) + 68 x 1,267,744,256 (KDA + MoE)
+    // 108.81 GB (kimi-k3-in-c's trunk file is the same size), from the release's shapes: 2,341,213,184 (layer 0) + 68 x 1,267,744,256 (KDA + MoE)
     // + 24 x 844,335,616 (MLA + MoE), the per-layer sizes worked out in test 2.7
     CHECK(s.trunk_bytes == 108'811'877'376ull);
     const Plan floor = make_plan(c, s, 0, PlanOptions{});
@@ -121,7 +121,7 @@ TEST_CASE("12.3 the ring hands out exactly the requested bytes; prefetching foll
             }
         const RingStats st = ring.stats();
         CAPTURE(slots);
-        CHECK(st.busy_slot_reads == 0);  // the reader never aimed at a slot in use (the one-slot failure of docs/prior-art.md)
+        CHECK(st.busy_slot_reads == 0);  // the reader never aimed at a slot in use (kimi-k3-in-c's reader with a single slot did, and produced wrong tokens)
         CHECK(st.mismatches == 0);
         if (slots > 1) CHECK(st.prefetched > 0);  // passes 2 and 3 were read ahead
     }
