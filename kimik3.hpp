@@ -15,6 +15,8 @@
 #include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers
 #include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, traces, the simulator
 #include "chapters/12_trunk_stream.hpp" // the trunk at any budget: the plan, pinned layers, a ring of row chunks
+#include "chapters/12a_pack_trunk.hpp"   // APPENDIX to 12: trunk.bin packed, verified and loaded back
+#include "chapters/12b_trunk_weights.hpp" // APPENDIX to 12: carrying out a plan: resident, streamed, the embedding
 #include "chapters/13_model.hpp"        // the whole model: sessions, forward steps, teacher forcing, generation
 #include "chapters/14_tokenizer.hpp"    // tiktoken BPE: K3's pre-tokenizer as a scanner, merges, streaming UTF-8
 #include "chapters/15_generate.hpp"     // the XTML chat format, stop tokens, seeded sampling

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../examples/cli/sizes.hpp"
 #include "../kimik3.hpp"
 #include "timing.hpp"
 
@@ -257,7 +258,7 @@ int main(int argc, char** argv) {
         std::vector<std::tuple<std::string, double, double>> bars = {
             {"K3-shaped, floor (measured)", io_time, std::max(0.0, wall - io_time)}, {"K3-shaped, resident (measured)", 0.0, compute}};
         for (const char* preset : {"floor", "laptop", "server"}) {
-            const std::uint64_t budget = std::string(preset) == "floor" ? make_plan(k3, s3, 0, PlanOptions{}).floor : preset_bytes(preset);
+            const std::uint64_t budget = std::string(preset) == "floor" ? make_plan(k3, s3, 0, PlanOptions{}).floor : cli::preset_bytes(preset);
             const Plan p = make_plan(k3, s3, budget, PlanOptions{});
             double t = 0;
             for (int l = 0; l < k3.num_hidden_layers; ++l) {

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "../examples/cli/sizes.hpp"
 #include "../kimik3.hpp"
 #include "../tests/rng.hpp"
 #include "timing.hpp"
@@ -262,7 +263,7 @@ int bench_compare(const std::string& dir, std::vector<std::string> sets, const s
         Checkpoint ck(dir);
         const ModelTensors mt = bind_tensors(ck, c);
         const Census census = take_census(ck, c, mt);
-        o.budget = budget_arg == "floor" ? make_plan(c, census, 0, o.plan).floor : budget_arg == "resident" ? 0 : parse_size(budget_arg);
+        o.budget = budget_arg == "floor" ? make_plan(c, census, 0, o.plan).floor : budget_arg == "resident" ? 0 : cli::parse_size(budget_arg);
     }
     Model m(dir, o);
     std::printf("kimik3-bench-speculate compare: %s at %s (%s), %zu tokens per prompt, greedy, prompt lookup %zu..%zu-grams; "

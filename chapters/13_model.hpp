@@ -59,6 +59,7 @@
 #include "10_moe.hpp"
 #include "11_expert_cache.hpp"
 #include "12_trunk_stream.hpp"
+#include "12b_trunk_weights.hpp"  // APPENDIX: TrunkWeights, the trunk as the plan says
 
 namespace kimik3 {
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "../chapters/12_trunk_stream.hpp"
+#include "cli/sizes.hpp"  // "8G" -> bytes: the command line's helper
 
 #ifndef KIMIK3_SOURCE_DIR
 #define KIMIK3_SOURCE_DIR "."
@@ -15,7 +16,7 @@ static void table(const Config& c, const Census& s, const std::vector<std::strin
     std::printf("  %-8s %10s %8s %9s %7s %12s %8s %12s %12s\n", "budget", "floor", "pinned", "lm_head", "ring", "chunk", "experts",
                 "trunk/token", "expected");
     for (const std::string& b : budgets) {
-        const Plan p = make_plan(c, s, b == "floor" ? make_plan(c, s, 0, PlanOptions{}).floor : parse_size(b), PlanOptions{});
+        const Plan p = make_plan(c, s, b == "floor" ? make_plan(c, s, 0, PlanOptions{}).floor : cli::parse_size(b), PlanOptions{});
         if (p.budget < p.floor) {
             std::printf("  %-8s %10s  refused: below the floor\n", b.c_str(), human_bytes(double(p.floor)).c_str());
             continue;

@@ -1,5 +1,8 @@
 // Tests for chapter 12: trunk streaming. Section numbers match the chapter.
 #include "../chapters/12_trunk_stream.hpp"
+#include "../chapters/12a_pack_trunk.hpp"
+#include "../chapters/12b_trunk_weights.hpp"
+#include "../examples/cli/sizes.hpp"  // 12.1: sizes and presets are the command line's
 
 #include <fstream>
 
@@ -29,16 +32,16 @@ std::string make_pattern_file(const std::string& dir, std::size_t n) {
 }  // namespace
 
 TEST_CASE("12.1 sizes and presets") {
-    CHECK(parse_size("8G") == 8'000'000'000ull);  // decimal, like every size the program prints
-    CHECK(parse_size("40M") == 40'000'000ull);
-    CHECK(parse_size("1.5G") == 1'500'000'000ull);
-    CHECK(parse_size("16GiB") == 16ull << 30);
-    CHECK(parse_size("4096") == 4096);
-    CHECK(preset_bytes("laptop") == 8'000'000'000ull);
-    CHECK(preset_bytes("server") == 128'000'000'000ull);
+    CHECK(cli::parse_size("8G") == 8'000'000'000ull);  // decimal, like every size the program prints
+    CHECK(cli::parse_size("40M") == 40'000'000ull);
+    CHECK(cli::parse_size("1.5G") == 1'500'000'000ull);
+    CHECK(cli::parse_size("16GiB") == 16ull << 30);
+    CHECK(cli::parse_size("4096") == 4096);
+    CHECK(cli::preset_bytes("laptop") == 8'000'000'000ull);
+    CHECK(cli::preset_bytes("server") == 128'000'000'000ull);
     for (const char* bad : {"", "8X", "-1G", "G", "1e30G", "8gb"})
-        CHECK(error_of([&] { parse_size(bad); }).find("is not a size") != std::string::npos);
-    CHECK(error_of([] { preset_bytes("phone"); }) == "unknown preset 'phone' (laptop 8G, desktop 32G, server 128G, auto)");
+        CHECK(error_of([&] { cli::parse_size(bad); }).find("is not a size") != std::string::npos);
+    CHECK(error_of([] { cli::preset_bytes("phone"); }) == "unknown preset 'phone' (laptop 8G, desktop 32G, server 128G, auto)");
 }
 
 TEST_CASE("12.2 the census from a config alone equals the census of the bound checkpoint") {
@@ -66,14 +69,14 @@ TEST_CASE("12.2 the real K3's floor is under 2 GB at a 4k context; budgets below
     // more memory never reads more: pinned bytes grow, bytes read per token shrink, largest units first
     std::uint64_t last_read = UINT64_MAX, last_pinned = 0;
     for (const std::string b : {"2G", "4G", "8G", "32G", "128G", "2T"}) {
-        const Plan p = make_plan(c, s, parse_size(b), PlanOptions{});
+        const Plan p = make_plan(c, s, cli::parse_size(b), PlanOptions{});
         CAPTURE(b);
         CHECK(p.total() <= p.budget);
         CHECK(p.trunk_read_per_token <= last_read);
         CHECK(p.pinned_bytes >= last_pinned);
         last_read = p.trunk_read_per_token, last_pinned = p.pinned_bytes;
     }
-    const Plan laptop = make_plan(c, s, preset_bytes("laptop"), PlanOptions{});
+    const Plan laptop = make_plan(c, s, cli::preset_bytes("laptop"), PlanOptions{});
     CHECK(laptop.lm_head_pinned);  // 2.35 GB, the largest unit; then layer 0 (2.34 GB of matrices)
     CHECK(laptop.pinned[0]);
     CHECK(laptop.expert_slots >= 2);  // the trunk gets the memory first; experts stream two at a time

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../../kimik3.hpp"
+#include "sizes.hpp"
 
 namespace kimik3::cli {
 
