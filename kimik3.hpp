@@ -13,7 +13,8 @@
 #include "chapters/08_mla.hpp"          // Gated MLA, NoPE: the absorbed attention over a latent KV cache
 #include "chapters/09_attn_res.hpp"     // Block Attention Residuals: softmax over depth instead of x + f(x)
 #include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers
-#include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, traces, the simulator
+#include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, read-ahead, retention
+#include "chapters/11a_traces.hpp"      // APPENDIX to 11: expert traces written, read and replayed under LRU, LFU, Belady
 #include "chapters/12_trunk_stream.hpp" // the trunk at any budget: the plan, pinned layers, a ring of row chunks
 #include "chapters/12a_pack_trunk.hpp"   // APPENDIX to 12: trunk.bin packed, verified and loaded back
 #include "chapters/12b_trunk_weights.hpp" // APPENDIX to 12: carrying out a plan: resident, streamed, the embedding

@@ -158,6 +158,11 @@ inline void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t offset, 
 
 namespace detail {
 
+// Bytes of the aligned read around [offset, offset + n): the room this range needs in an aligned buffer.
+inline std::size_t widened_bytes(std::uint64_t offset, std::uint64_t n) {
+    return round_up(std::size_t(offset % kPageAlign + n), kPageAlign);
+}
+
 // Reads file bytes from `start` (4096-aligned) into dst (4096-aligned) through an O_DIRECT descriptor,
 // asking for `want` bytes (a multiple of 4096) and requiring the first `need` of them. Returns the bytes
 // that arrived, or 0 (nothing read) when the descriptor refuses O_DIRECT with EINVAL. A short read
@@ -188,6 +193,10 @@ inline std::size_t pread_direct(int direct_fd, int fd, std::byte* dst, std::uint
 }
 
 }  // namespace detail
+
+// The most room n contiguous bytes can need in an aligned read, wherever they start: n widened to
+// 4096-byte boundaries at both ends. Chapter 11 sizes an expert's slot by it, chapter 12 plans with it.
+inline std::uint64_t widened_bound(std::uint64_t n) { return round_up(std::size_t(n), kPageAlign) + kPageAlign; }
 
 // Caps on whole-file reads. Each is far above what Kimi K3's own file needs (in brackets), and far below
 // what would exhaust memory: a text input has no business being gigabytes.

@@ -214,7 +214,7 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     // metadata (headers, the name index, expert locations: ~700 bytes per tensor measured on a
     // header-only K3; ~350 MB for the release's ~500,000 tensors)
     p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes : (8ull << 20) + 700 * s.tensors;
-    const std::uint64_t expert_slot = round_up(std::size_t(s.expert_bytes), kPageAlign) + kPageAlign;
+    const std::uint64_t expert_slot = widened_bound(s.expert_bytes);  // one expert's slot, wherever it starts
     // The smallest useful piece: 4 MiB (smaller reads waste the disk's bandwidth for a saving of a few MB),
     // or one row of the widest matrix if that is larger. But a piece never holds more than one matrix, so
     // a chunk larger than the largest matrix is memory no read can use (a small model's whole layer can be

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "../chapters/11_expert_cache.hpp"
+#include "../chapters/11a_traces.hpp"  // APPENDIX: traces and the simulator
 
 #ifndef KIMIK3_SOURCE_DIR
 #define KIMIK3_SOURCE_DIR "."

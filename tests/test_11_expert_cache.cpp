@@ -6,6 +6,7 @@
 // parts stored in reverse order, one scattered with gaps, one split across two shards. Model tests use
 // the tiny K3 and its reference inputs.
 #include "../chapters/11_expert_cache.hpp"
+#include "../chapters/11a_traces.hpp"
 
 #include <fcntl.h>
 
