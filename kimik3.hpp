@@ -12,6 +12,7 @@
 #include "chapters/06_situ_ffn.hpp"     // SiTU-GLU; the dense FFN (bf16) and one routed expert (MXFP4)
 #include "chapters/07_kda.hpp"          // Kimi Delta Attention: short conv, decay gate, delta-rule state, prefill = decode
 #include "chapters/08_mla.hpp"          // Gated MLA, NoPE: the absorbed attention over a latent KV cache
+#include "chapters/08a_mla_naive.hpp"    // APPENDIX to 08: the naive form (the yardstick); the cache saved and loaded
 #include "chapters/09_attn_res.hpp"     // Block Attention Residuals: softmax over depth instead of x + f(x)
 #include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers
 #include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, read-ahead, retention
