@@ -65,6 +65,7 @@
 #include <condition_variable>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,8 +100,25 @@ struct PlanOptions {
     std::uint64_t chunk_bytes = 0;           // 0: chosen by the planner
     int ring_slots = 0;                      // 0: chosen by the planner (3)
     std::size_t expert_slots = 0;            // 0: chosen by the planner
-    std::uint64_t overhead_bytes = 0;        // process baseline (binary, libraries, headers); 0: estimated
+    std::uint64_t overhead_bytes = 0;        // process baseline (binary, libraries, headers); 0: measured or estimated
+    // The process's resident bytes now (the program, its libraries, the checkpoint's metadata, a tokenizer:
+    // all that is loaded before planning), read by the caller (the CLI: VmRSS of /proc/self/status; 0 if
+    // unknown). Set, it makes the overhead a measurement plus a reserve for what a run adds outside the
+    // plan's other lines (kRunReserve, kThreadReserve per thread), so that the budget is a ceiling on the
+    // peak RSS. Unset (a plan of a config alone, or of K3 from here): the estimate below.
+    std::function<std::uint64_t()> measure_baseline;
+    int workers = 0;                         // compute threads the run starts besides the main one
+    int readers = 0;                         // I/O threads it starts besides the ring's (expert reads, read-ahead)
+    std::uint64_t kept_logits = 0;           // rows of V logits the caller keeps (teacher forcing, --dump-logits)
+    std::uint64_t trace_positions = 0;       // positions whose expert requests the cache's trace will hold
 };
+
+// What a run adds to a measured baseline outside the plan's other lines, as a ceiling: code and library
+// pages first touched after planning and the heap's per-step temporaries (measured on the bundled models:
+// 0.3-0.4 MB of code, 0.2-0.6 MB of heap), and per thread its stack pages and heap arena (a compute
+// worker measured 0.15 MB, an I/O thread under 30 kB).
+inline constexpr std::uint64_t kRunReserve = 1ull << 20;
+inline constexpr std::uint64_t kWorkerReserve = 192ull << 10, kReaderReserve = 32ull << 10;
 
 struct Plan {
     std::uint64_t budget = 0, floor = 0;
@@ -210,10 +228,20 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     const std::uint64_t widest = std::max({std::uint64_t(c.intermediate_size), std::uint64_t(c.kda_width()) * 4,
                                            std::uint64_t(c.vocab_size), std::uint64_t(c.num_attention_heads) * c.kv_lora_rank});
     p.work_bytes = (16 * std::uint64_t(c.hidden_size) + 4 * widest) * 4 + 2 * 4096;
-    // the process itself (program, libraries, thread stacks: ~8 MB measured) and the checkpoint's
-    // metadata (headers, the name index, expert locations: ~700 bytes per tensor measured on a
-    // header-only K3; ~350 MB for the release's ~500,000 tensors)
-    p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes : (8ull << 20) + 700 * s.tensors;
+    // what the run keeps as it goes, when the caller says: the logits it keeps, and the expert trace the
+    // cache records (chapter 11: 8 bytes per request, k per MoE layer and position; twice, for a vector's growth)
+    p.work_bytes += o.kept_logits * std::uint64_t(c.vocab_size) * 4 +
+                    2 * o.trace_positions * std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * 8;
+    // the process itself: measured when the caller can (what is resident now, rounded up to 64 KiB, plus
+    // the run's reserve and its threads': the compute workers, the I/O threads and the ring's two), or
+    // estimated: program, libraries, thread stacks (~8 MB measured) and the checkpoint's metadata
+    // (headers, the name index, expert locations: ~700 bytes per tensor measured on a header-only K3;
+    // ~350 MB for the release's ~500,000 tensors)
+    const std::uint64_t measured = o.overhead_bytes || !o.measure_baseline ? 0 : o.measure_baseline();
+    p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes
+                       : measured     ? round_up(std::size_t(measured), 64 << 10) + kRunReserve +
+                                          std::uint64_t(o.workers) * kWorkerReserve + std::uint64_t(o.readers + 2) * kReaderReserve
+                                      : (8ull << 20) + 700 * s.tensors;
     const std::uint64_t expert_slot = widened_bound(s.expert_bytes);  // one expert's slot, wherever it starts
     // The smallest useful piece: 4 MiB (smaller reads waste the disk's bandwidth for a saving of a few MB),
     // or one row of the widest matrix if that is larger. But a piece never holds more than one matrix, so
