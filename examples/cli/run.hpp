@@ -226,6 +226,14 @@ inline int cmd_run(std::vector<std::string> args) {
                     " positions this run needs\n");
     mo.trunk_dir = trunk;
     mo.direct = !no_direct;
+    // --budget bounds the whole process: the plan counts what is resident when it is made, and the threads
+    // this run starts (the compute team's workers, the expert readers and their read-ahead)
+    mo.plan.measure_baseline = resident_bytes;
+    mo.plan.workers = max_threads() - 1;
+    mo.plan.readers = mo.expert_readers + 1;
+    // every position's logits are kept (teacher forcing, generate), and --dump-logits copies them into the file's bytes
+    mo.plan.kept_logits = (ids.size() + gen) * (dump.empty() ? 1 : 2);
+    mo.plan.trace_positions = (ids.size() + gen) * (recompute ? gen + 1 : 1);  // --recompute re-runs the prefix every step
     std::uint64_t last_shown = 0;
     mo.progress = [&](const std::string& what, std::uint64_t done, std::uint64_t total) {
         if (total > (64u << 20) && (done == total || done - last_shown > total / 20))
@@ -290,6 +298,7 @@ inline int cmd_run(std::vector<std::string> args) {
     try {  // a computation that fails names its step (forward names the position: non-finite logits, ...)
         if (teacher_forcing) {
             Session s(model.config, mo.plan.context);
+            logits.reserve(ids.size() * V);  // once: growing by doubling would hold up to twice what is kept
             for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
                 const std::size_t n = std::min(chunk, ids.size() - t0);
                 logits.resize((t0 + n) * V);
@@ -334,14 +343,14 @@ inline int cmd_run(std::vector<std::string> args) {
                     &logits);
             } else {
                 std::uint64_t position = ids.size();
-                const Generation g = generate(
+                Generation g = generate(
                     model, ids, gen, chunk, recompute, mo.plan.context, [&](std::span<const float> l) { return choose(l, position++); },
                     [&](std::size_t step, std::int64_t id) {
                         record(step, id, step == 0 || recompute ? ids.size() + step : 1);
                         return show(step, id);
                     });
                 out_ids = g.ids;
-                logits = g.logits;
+                logits = std::move(g.logits);  // not a second copy of every step's logits
             }
             std::printf("%s\n", tok ? utf8.finish().c_str() : "");
         }

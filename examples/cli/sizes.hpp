@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <string>
@@ -40,6 +41,16 @@ inline std::uint64_t mem_available() {
     std::string unit;
     while (f >> key >> kb >> unit)
         if (key == "MemAvailable:") return kb * 1024;
+    return 0;
+}
+
+// This process's resident bytes now: VmRSS from /proc/self/status (0 when unknown). The planner adds it to
+// the plan (PlanOptions::measure_baseline), so that a budget bounds the peak RSS of the whole process.
+inline std::uint64_t resident_bytes() {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line))
+        if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
     return 0;
 }
 
