@@ -158,7 +158,7 @@ int main() {
 
         // Load: each expert's share of a layer's T x K requests, in tenths of the even share; and the
         // busiest expert's load if the scores alone chose (the bias exists to even this out).
-        std::printf("\n10.4 load per expert and layer (tenths of the even share: 10 = even), with and without the bias\n");
+        std::printf("\n10.1 load per expert and layer (tenths of the even share: 10 = even), with and without the bias\n");
         std::printf("  %5s  %-96s %8s %8s\n", "layer", "experts 0..31", "max/mean", "no bias");
         std::size_t changed = 0;
         for (int l : moe) {

@@ -57,7 +57,7 @@ int main() {
         table(k3, s3, {{"floor", kBudgetFloor}, {"8G", 8 * G}, {"32G", 32 * G}, {"128G", 128 * G}});
         std::printf("  (more memory pins the largest units first: every pinned byte is a byte not read per token)\n");
 
-        std::printf("\n12.2 the little K3 (fixtures/little-k3: 9 layers, 14 M parameters)\n");
+        std::printf("\n12.2 the little K3 (fixtures/little-k3: 9 layers, 14 M parameters; 4096-token context)\n");
         const Config little = load_config(dir);
         const Census sl = config_census(little);
         table(little, sl, {{"10M", 10 * M}, {"floor", kBudgetFloor}, {"20M", 20 * M}, {"24M", 24 * M}, {"28M", 28 * M}, {"64M", 64 * M}});
