@@ -29,8 +29,9 @@
 //   PERFORMANCE.md), measured exactly that: its LRU cache retained 0% below ~36 GB of arena, and memory
 //   did more good holding the trunk. A cache pays only where routing is skewed (a few experts per layer
 //   taking most requests), so size it from a recorded trace (section 11.6) before giving it memory.
-//   make run-11 replays K3-shaped traces with balanced and with skewed routing at 887, 1,472 and 2,944
-//   slots to show both cases.
+//   make run-11 records a real trace (the trained little K3 decoding held-out text: its balanced router
+//   gives LRU about its share of all experts, within two points) and replays K3-shaped traces with
+//   balanced and with skewed routing at 887, 1,472 and 2,944 slots to show both cases.
 //
 // CONCEPTS
 //   slot          room for one whole expert: the largest aligned read of any expert, a multiple of 4096
