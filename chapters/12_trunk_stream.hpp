@@ -83,9 +83,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 // 12.1 Sizes: the floor
 // ---------------------------------------------------------------------------------------------------
-// The planner takes a budget in bytes. Sizes as a user types them ("8G", "1.5GiB") and the named presets
-// (laptop 8G, desktop 32G, server 128G, auto: 90% of MemAvailable) are the command line's:
-// examples/cli/sizes.hpp.
+// The planner takes bytes ("8G" and the presets laptop, desktop, server, auto are examples/cli/sizes.hpp's).
 // The budget "floor": whatever the plan's floor comes to for this model and context (make_plan resolves
 // it; the CLI's --budget floor). No real budget is this large.
 constexpr std::uint64_t kBudgetFloor = ~std::uint64_t(0);
