@@ -5,7 +5,10 @@
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
 #   make test-scalar     the whole suite with every dispatcher forced to the reference path (KIMIK3_SCALAR=1)
-#   make headers         compile each chapter header on its own (chapter N needs only chapters < N)
+#   make headers         compile each chapter header on its own (chapter N needs only chapters < N;
+#                        an appendix NNa_topic.hpp too)
+#   make lint            the rules a machine can check: headers <= 600 lines, no #if in a function body,
+#                        no unused function (tools/lint.sh: sh and awk, no compiler)
 #   make examples        build every example            make check-examples   stdout vs stored transcripts
 #   make bench           the benchmarks (never part of make test)
 #   make bench-k3        the engine at K3's real widths against this machine's limits (writes ~14 GB once)
@@ -62,7 +65,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: lint all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -212,6 +215,13 @@ $(BUILD)/headers/%.ok: % $(HEADERS) | deps
 	@echo "  header $<"
 	@echo '#include "$<"' | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. -
 	@mkdir -p $(dir $@) && touch $@
+
+# ---- lint: the course's checkable rules ------------------------------------------------------------
+# tools/lint.sh prints FILE:LINE: what is wrong, for a header over 600 lines, an #if/#ifdef/#ifndef inside
+# a function body (chapters/, examples/), or a function of chapters/ used nowhere in chapters/, examples/,
+# tests/, bench/. A POSIX shell and awk are all it needs.
+lint:
+	@tools/lint.sh
 
 # ---- examples --------------------------------------------------------------------------------------
 $(BUILD)/examples/%: examples/%.cpp $(HEADERS) | deps

@@ -270,10 +270,6 @@ inline void matvec_t_bf16_simd(float* y, const float* x, const bf16* w, std::siz
             for (std::size_t c = j; c < cols; ++c) y[c] = y[c] + bf16_to_f32(w[r * cols + c]) * x[r];
 }
 
-inline void matvec_t_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (cols), x (rows), w (rows, cols)
-    use_simd ? matvec_t_bf16_simd(y, x, w, rows, cols) : matvec_t_bf16_ref(y, x, w, rows, cols);
-}
-
 // The same sum over f32 rows `stride` apart: ctx = sum_s p_s c_s is y += W^T x with the cached latents
 // as the rows of W (stride C) and the probabilities as x.
 inline void matvec_t_f32_ref(float* y, const float* x, const float* w, std::size_t rows, std::size_t cols,

@@ -43,9 +43,8 @@
 //   * Every read is exact (chapter 01/11 readers): a failed or short read is Error(io) and the piece is
 //     never handed to the consumer.
 //   * The planner refuses a budget below the floor with ErrorKind::budget and the floor in bytes.
-//   * pack-trunk refuses a layer whose tensors are not one contiguous run in one shard, verifies what it
-//     wrote (re-read and compared by hash), and writes trunk.json last, after removing any old one, so
-//     an interrupted pack never leaves a trunk that looks complete.
+//   * A measured plan (PlanOptions::measure_baseline) bounds the process's peak RSS by its budget.
+//   * What pack-trunk promises (verified copies, trunk.json last): appendix 12a.
 //
 // SOURCES  Sheng et al., "FlexGen", arXiv:2303.06865 (planning where weights live, overlapping I/O with
 //          compute); FareedKhan-dev/kimi-k3-in-c (trunk.bin, pinned layers). docs/sources.md 12.
@@ -84,9 +83,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 // 12.1 Sizes: the floor
 // ---------------------------------------------------------------------------------------------------
-// The planner takes a budget in bytes. Sizes as a user types them ("8G", "1.5GiB") and the named presets
-// (laptop 8G, desktop 32G, server 128G, auto: 90% of MemAvailable) are the command line's:
-// examples/cli/sizes.hpp.
+// The planner takes bytes ("8G" and the presets laptop, desktop, server, auto are examples/cli/sizes.hpp's).
 // The budget "floor": whatever the plan's floor comes to for this model and context (make_plan resolves
 // it; the CLI's --budget floor). No real budget is this large.
 constexpr std::uint64_t kBudgetFloor = ~std::uint64_t(0);
@@ -101,11 +98,9 @@ struct PlanOptions {
     int ring_slots = 0;                      // 0: chosen by the planner (3)
     std::size_t expert_slots = 0;            // 0: chosen by the planner
     std::uint64_t overhead_bytes = 0;        // process baseline (binary, libraries, headers); 0: measured or estimated
-    // The process's resident bytes now (the program, its libraries, the checkpoint's metadata, a tokenizer:
-    // all that is loaded before planning), read by the caller (the CLI: VmRSS of /proc/self/status; 0 if
-    // unknown). Set, it makes the overhead a measurement plus a reserve for what a run adds outside the
-    // plan's other lines (kRunReserve, kThreadReserve per thread), so that the budget is a ceiling on the
-    // peak RSS. Unset (a plan of a config alone, or of K3 from here): the estimate below.
+    // The process's resident bytes now (program, libraries, checkpoint metadata, tokenizer: all loaded
+    // before planning; the CLI reads VmRSS). Set, the overhead is that plus a reserve (below), so the
+    // budget is a ceiling on peak RSS; unset (a plan from a config alone), an estimate.
     std::function<std::uint64_t()> measure_baseline;
     int workers = 0;                         // compute threads the run starts besides the main one
     int readers = 0;                         // I/O threads it starts besides the ring's (expert reads, read-ahead)
@@ -113,10 +108,9 @@ struct PlanOptions {
     std::uint64_t trace_positions = 0;       // positions whose expert requests the cache's trace will hold
 };
 
-// What a run adds to a measured baseline outside the plan's other lines, as a ceiling: code and library
-// pages first touched after planning and the heap's per-step temporaries (measured on the bundled models:
-// 0.3-0.4 MB of code, 0.2-0.6 MB of heap), and per thread its stack pages and heap arena (a compute
-// worker measured 0.15 MB, an I/O thread under 30 kB).
+// What a run adds to a measured baseline outside the plan's other lines: code first run after planning
+// and per-step heap (0.3-0.4 MB and 0.2-0.6 MB measured), and per thread its stack and heap arena (a
+// compute worker measured 0.15 MB, an I/O thread under 30 kB).
 inline constexpr std::uint64_t kRunReserve = 1ull << 20;
 inline constexpr std::uint64_t kWorkerReserve = 192ull << 10, kReaderReserve = 32ull << 10;
 
@@ -232,11 +226,9 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     // cache records (chapter 11: 8 bytes per request, k per MoE layer and position; twice, for a vector's growth)
     p.work_bytes += o.kept_logits * std::uint64_t(c.vocab_size) * 4 +
                     2 * o.trace_positions * std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * 8;
-    // the process itself: measured when the caller can (what is resident now, rounded up to 64 KiB, plus
-    // the run's reserve and its threads': the compute workers, the I/O threads and the ring's two), or
-    // estimated: program, libraries, thread stacks (~8 MB measured) and the checkpoint's metadata
-    // (headers, the name index, expert locations: ~700 bytes per tensor measured on a header-only K3;
-    // ~350 MB for the release's ~500,000 tensors)
+    // the process itself: measured (resident now, to 64 KiB, plus the reserves of the run and of its
+    // threads, the ring's two included), or estimated: program, libraries, thread stacks (~8 MB measured)
+    // and the checkpoint's metadata (~700 bytes per tensor measured on a header-only K3: ~350 MB for ~500,000)
     const std::uint64_t measured = o.overhead_bytes || !o.measure_baseline ? 0 : o.measure_baseline();
     p.overhead_bytes = o.overhead_bytes ? o.overhead_bytes
                        : measured     ? round_up(std::size_t(measured), 64 << 10) + kRunReserve +
