@@ -95,11 +95,18 @@ namespace detail {
 // What the CPU reports, asked once. One definition per architecture (whole functions, no #if inside).
 struct CpuCaps {
     bool avx2 = false, avx512 = false, neon = false;
+    int amd_family = 0;  // the CPUID family of an AMD x86-64 CPU (25 = Zen 3/4, 26 = Zen 5), else 0
 };
 #if KIMIK3_X86_KERNELS
 inline CpuCaps read_cpu_caps() {
     __builtin_cpu_init();
     CpuCaps c;
+    if (__builtin_cpu_is("amd")) {
+        unsigned eax, ebx, ecx, edx;
+        __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1u), "c"(0u));
+        const unsigned base = (eax >> 8) & 0xFu;  // family = base, plus the extended family when base is 15
+        c.amd_family = int(base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base);
+    }
     c.avx2 = __builtin_cpu_supports("avx2");
     c.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("avx512vl");
@@ -121,6 +128,11 @@ inline bool cpu_has(Isa i) {
     const detail::CpuCaps& c = detail::cpu_caps();
     return i == Isa::xsimd || (i == Isa::neon && c.neon) || (i == Isa::avx2 && c.avx2) || (i == Isa::avx512 && c.avx512);
 }
+
+// The CPUID family of an AMD x86-64 CPU (0 elsewhere): the one place a kernel choice may look at the
+// CPU's make, never at its name string (5.8 prefers an 8-row AVX-512 MXFP4 kernel on family 26, Zen 5).
+inline int cpu_amd_family() { return detail::cpu_caps().amd_family; }
+inline bool cpu_is_zen5() { return cpu_amd_family() == 26; }
 
 // The widest set this CPU runs (for the programs' banners).
 inline Isa cpu_isa() {
@@ -156,9 +168,10 @@ inline Isa kernel_isa() {
 // One kernel of a family. Every family lists its kernels narrowest first, the reference at index 0,
 // the shim's kernel at index 1: {reference, xsimd, then the ISA-specific ones}.
 template <class Fn> struct Kernel {
-    const char* name;  // "reference", "xsimd", "avx2", "avx512", "neon"
-    Isa isa;           // what the CPU must run (the reference and xsimd: Isa::xsimd)
-    Fn fn;             // nullptr when this build's architecture cannot compile it
+    const char* name;             // "reference", "xsimd", "avx2", "avx512", "neon", ...
+    Isa isa;                      // what the CPU must run (the reference and xsimd: Isa::xsimd)
+    Fn fn;                        // nullptr when this build's architecture cannot compile it
+    bool (*preferred)() = nullptr;  // when set: chosen only on CPUs where it says true (tuned for one)
 };
 
 // Why `k` cannot run here ("" when it can): for the tests, which count such a kernel as skipped.
@@ -170,11 +183,13 @@ template <class Fn> std::string why_not_runnable(const Kernel<Fn>& k) {
 }
 
 // THE dispatch rule of every kernel family: the reference when KIMIK3_SCALAR forces it (or `reference`
-// asks for it), else the last entry that is compiled in and whose instruction set is enabled.
+// asks for it), else the last entry that is compiled in, whose instruction set is enabled, and that
+// is not tuned for another CPU. (Every entry the CPU can run is tested, preferred here or not.)
 template <class Fn> const Kernel<Fn>& choose_kernel(std::span<const Kernel<Fn>> family, bool reference = !use_simd) {
     if (reference) return family[0];
     for (std::size_t i = family.size(); i-- > 1;)
-        if (family[i].fn != nullptr && isa_enabled(family[i].isa)) return family[i];
+        if (family[i].fn != nullptr && isa_enabled(family[i].isa) && (family[i].preferred == nullptr || family[i].preferred()))
+            return family[i];
     return family[1];
 }
 

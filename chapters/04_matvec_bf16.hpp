@@ -190,28 +190,35 @@ inline void token_tiles(float* y, std::size_t ldy, const float* xp, std::size_t 
                         std::size_t cols, const int (&lane)[kLanes], Decode&& decode, Tail&& tail) {
     // y (T, ldy), xp (T, in) in the decoder's order
     constexpr int R = Panel::kRows, NT = Panel::kTokens;
-    thread_local std::vector<float> sums_buf, tile_buf;
+    const std::size_t full = full_chunks(cols), panels = (full + kPanel - 1) / kPanel;
+    thread_local std::vector<float> sums_buf, tile_buf, x_buf;
     sums_buf.resize(std::size_t(R) * tokens * kLanes);
     tile_buf.resize(std::size_t(R) * kPanel);
+    x_buf.resize(panels * tokens * kPanel);
     float* sums = sums_buf.data();  // (R, T, 16)
     float* tile = tile_buf.data();  // (R, kPanel)
-    const std::size_t full = full_chunks(cols);
+    float* xq = x_buf.data();       // (panels, T, kPanel): each panel's slice of every token, side by side
+    // (Token rows of x are `in` floats apart; at K3's widths that is a multiple of 2 kB, so 16 tokens'
+    // slices would fall into the same few L1 sets and evict each other. Contiguous, they fit.)
+    for (std::size_t p = 0; p < panels; ++p)
+        for (std::size_t t = 0; t < tokens; ++t)
+            std::copy(xp + t * cols + p * kPanel, xp + t * cols + std::min(full, (p + 1) * kPanel), xq + (p * tokens + t) * kPanel);
     for (std::size_t r = r0; r < r1;) {
         const int nr = r1 - r >= std::size_t(R) ? R : 1;
         std::fill(sums, sums + std::size_t(nr) * tokens * kLanes, 0.0f);
         for (std::size_t c0 = 0; c0 < full; c0 += kPanel) {
-            const std::size_t c1 = std::min(full, c0 + kPanel);
+            const std::size_t c1 = std::min(full, c0 + kPanel), n = c1 - c0;
             decode(tile, r, nr, c0, c1);
             for (std::size_t t = 0; t < tokens;) {
                 const int nt = tokens - t >= std::size_t(NT) ? NT : tokens - t >= 2 ? 2 : 1;
                 float* s = sums + t * kLanes;
-                const float* xt = xp + t * cols + c0;
-                if (nr == R && nt == NT) Panel::template run<R, NT>(s, tokens, tile, xt, cols, c1 - c0);
-                else if (nr == R && nt == 2) Panel::template run<R, 2>(s, tokens, tile, xt, cols, c1 - c0);
-                else if (nr == R) Panel::template run<R, 1>(s, tokens, tile, xt, cols, c1 - c0);
-                else if (nt == NT) Panel::template run<1, NT>(s, tokens, tile, xt, cols, c1 - c0);
-                else if (nt == 2) Panel::template run<1, 2>(s, tokens, tile, xt, cols, c1 - c0);
-                else Panel::template run<1, 1>(s, tokens, tile, xt, cols, c1 - c0);
+                const float* xt = xq + (c0 / kPanel * tokens + t) * kPanel;
+                if (nr == R && nt == NT) Panel::template run<R, NT>(s, tokens, tile, xt, kPanel, n);
+                else if (nr == R && nt == 2) Panel::template run<R, 2>(s, tokens, tile, xt, kPanel, n);
+                else if (nr == R) Panel::template run<R, 1>(s, tokens, tile, xt, kPanel, n);
+                else if (nt == NT) Panel::template run<1, NT>(s, tokens, tile, xt, kPanel, n);
+                else if (nt == 2) Panel::template run<1, 2>(s, tokens, tile, xt, kPanel, n);
+                else Panel::template run<1, 1>(s, tokens, tile, xt, kPanel, n);
                 t += std::size_t(nt);
             }
         }

@@ -71,6 +71,14 @@ KIMIK3_TARGET_AVX512 inline void bf16_rows_avx512(float* y, const float* x, cons
     }
 }
 
+// g++ otherwise folds every use of a loaded register back into a memory operand (loading each weight
+// NT times and each input NR times: twice the loads, which then bind). An empty asm that "may change"
+// the register pins it: it changes no bit, and the compiler keeps the one load.
+KIMIK3_TARGET_AVX512 inline __m512 keep_in_register(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 // The inner loop of 4.3's tiles on AVX-512: NR rows x NT tokens, one register per sum, n columns.
 // sums: (row, token) at sums + (row * sums_t + token) * 16; tile (NR, kPanel); x (NT, x_stride).
 struct Avx512Panel {
@@ -82,9 +90,9 @@ struct Avx512Panel {
             KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_loadu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes);
         for (std::size_t c = 0; c < n; c += kLanes) {
             __m512 w[NR];
-            KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = _mm512_loadu_ps(tile + std::size_t(r) * kPanel + c);
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = keep_in_register(_mm512_loadu_ps(tile + std::size_t(r) * kPanel + c));
             KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-                const __m512 xv = _mm512_loadu_ps(x + std::size_t(t) * x_stride + c);
+                const __m512 xv = keep_in_register(_mm512_loadu_ps(x + std::size_t(t) * x_stride + c));
                 KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(w[r], xv));
             }
         }

@@ -284,12 +284,15 @@ inline void matmul_mxfp4_avx2(float* y, const float* x, const std::uint8_t* pack
                               std::size_t rows, std::size_t cols);  // 05a, 5.6 (x86-64 builds only)
 inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
                                 std::size_t rows, std::size_t cols);  // 05a, 5.7 (x86-64 builds only)
+inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
+                                     std::size_t rows, std::size_t cols);  // 05a, 5.7: 8 rows per pass, for Zen 5
 inline constexpr Kernel<Mxfp4Matmul> kMxfp4Kernels[] = {
     {"reference", Isa::xsimd, matmul_mxfp4_ref},
     {"xsimd", Isa::xsimd, matmul_mxfp4_simd},
     {"neon", Isa::neon, KIMIK3_NEON_ONLY(matmul_mxfp4_neon)},
     {"avx2", Isa::avx2, KIMIK3_X86_ONLY(matmul_mxfp4_avx2)},
     {"avx512", Isa::avx512, KIMIK3_X86_ONLY(matmul_mxfp4_avx512)},
+    {"avx512_zen5", Isa::avx512, KIMIK3_X86_ONLY(matmul_mxfp4_avx512_zen5), cpu_is_zen5},  // the same bits, tuned for AMD family 26
 };
 
 // The kernel matmul_mxfp4 runs, chosen once, in this one place.

@@ -194,34 +194,53 @@ KIMIK3_TARGET_AVX512 __attribute__((always_inline)) inline void decode_block_avx
     hi = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64((long long)q1), shifts), table);
 }
 
-// One token, R rows (prow, srow: R rows of packed bytes and scales); y (R) at row 0, xp (in) permuted.
-template <int R>
-KIMIK3_TARGET_AVX512 inline void mxfp4_rows_avx512(float* y, const float* xp, const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
+// NT tokens (1 to 4), R rows, straight from the packed bytes: each block decoded once, in registers,
+// for the NT tokens. y (NT, ldy) at row 0, xp (NT, in) permuted; prow, srow: R rows of bytes and scales.
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 inline void mxfp4_rows_avx512(float* y, std::size_t ldy, const float* xp, const std::uint8_t* prow, const std::uint8_t* srow,
+                                                   std::size_t cols) {
     const std::size_t pstride = cols / 2, sstride = cols / kMxBlock, blocks = cols / kMxBlock;
     const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
     const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-    __m512 acc[R];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[R][NT];
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
     for (std::size_t b = 0; b < blocks; ++b) {
-        if (b % 4 == 0)  // once per 64-byte line of each row: ask for the same line of the next 4 rows
+        if (b % 4 == 0)  // once per 64-byte line of each row: ask for the same line of the next R rows
             KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-                _mm_prefetch(reinterpret_cast<const char*>(prow + std::size_t(r + 4) * pstride + b * (kMxBlock / 2)), _MM_HINT_T0);
-        const __m512 x0 = _mm512_loadu_ps(xp + b * kMxBlock), x1 = _mm512_loadu_ps(xp + b * kMxBlock + kLanes);
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-            __m512 lo, hi;
-            decode_block_avx512(lo, hi, e2m1, shifts, prow + std::size_t(r) * pstride + b * (kMxBlock / 2), srow[std::size_t(r) * sstride + b]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(lo, x0));  // columns 0-15 first,
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(hi, x1));  // then 16-31: lane order
+                _mm_prefetch(reinterpret_cast<const char*>(prow + std::size_t(r + R) * pstride + b * (kMxBlock / 2)), _MM_HINT_T0);
+        __m512 lo[R], hi[R];
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+            decode_block_avx512(lo[r], hi[r], e2m1, shifts, prow + std::size_t(r) * pstride + b * (kMxBlock / 2), srow[std::size_t(r) * sstride + b]);
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            const __m512 x0 = _mm512_loadu_ps(xp + t * cols + b * kMxBlock), x1 = _mm512_loadu_ps(xp + t * cols + b * kMxBlock + kLanes);
+            KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(lo[r], x0));  // columns 0-15 first,
+                acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(hi[r], x1));  // then 16-31: lane order
+            }
         }
     }
     // back to logical order in the register (lane l comes from position 2l, or 2(l - 8) + 1), then the tree.
     // (Permuting through memory instead made g++ keep every accumulator on the stack for the whole loop.)
     const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-        float lanes[kLanes];
-        _mm512_storeu_ps(lanes, _mm512_permutexvar_ps(order, acc[r]));
-        y[r] = hsum16(lanes);
-    }
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            float lanes[kLanes];
+            _mm512_storeu_ps(lanes, _mm512_permutexvar_ps(order, acc[r][t]));
+            y[std::size_t(t) * ldy + std::size_t(r)] = hsum16(lanes);
+        }
+}
+
+// Rows [r0, r1) for NT = 1..4 tokens: R1 rows at a time (one token only), then four, then one.
+template <int NT, int R1>
+KIMIK3_TARGET_AVX512 inline void mxfp4_few_tokens_avx512(float* y, std::size_t ldy, const float* xp, const std::uint8_t* packed,
+                                                         const std::uint8_t* scales, std::size_t cols, std::size_t r0, std::size_t r1) {
+    const std::size_t prow = cols / 2, srow = cols / kMxBlock;
+    std::size_t r = r0;
+    if constexpr (NT == 1 && R1 > 4)
+        for (; r1 - r >= std::size_t(R1); r += R1) mxfp4_rows_avx512<R1, 1>(y + r, ldy, xp, packed + r * prow, scales + r * srow, cols);
+    for (; r1 - r >= 4; r += 4) mxfp4_rows_avx512<4, NT>(y + r, ldy, xp, packed + r * prow, scales + r * srow, cols);
+    for (; r < r1; ++r) mxfp4_rows_avx512<1, NT>(y + r, ldy, xp, packed + r * prow, scales + r * srow, cols);
 }
 
 // Logical lane of position p of a sum stored from these registers (the table above).
@@ -233,41 +252,66 @@ struct Avx512Lanes {
 };
 inline constexpr Avx512Lanes kAvx512Lanes{};
 
-// Rows [r0, r1) of one token: four at a time, then one at a time; T tokens: 4.3's tiles.
+// Rows [r0, r1). Up to 4 tokens: decoded in registers (above), the fastest measured at T <= 4; more:
+// 4.3's tiles, decoded once into L1 (make bench; the 4 x 4 tile of registers cannot hold 16 tokens).
+// R1: rows per pass for one token (4, or 8 on Zen 5: see matmul_mxfp4_avx512_zen5).
+template <int R1>
 KIMIK3_TARGET_AVX512 inline void mxfp4_range_avx512(float* y, const float* xp, const std::uint8_t* packed, const std::uint8_t* scales,
                                                     std::size_t tokens, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t r1) {
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
-    if (tokens > 1) {
-        auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX512 {
-            const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
-            const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-            for (int i = 0; i < nr; ++i)
-                for (std::size_t c = c0; c < c1; c += kMxBlock) {
-                    __m512 lo, hi;
-                    decode_block_avx512(lo, hi, e2m1, shifts, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
-                    _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0), lo);
-                    _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0) + kLanes, hi);
-                }
-        };
-        return mxfp4_token_tiles<Avx512Panel>(y, xp, tokens, rows, cols, r0, r1, kAvx512Lanes.lane, decode);
+    auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX512 {
+        const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
+        const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+        for (int i = 0; i < nr; ++i)
+            for (std::size_t c = c0; c < c1; c += kMxBlock) {
+                if (c % (4 * kMxBlock) == 0 && r + std::size_t(nr + i) < rows)  // the next rows' line, as for one token
+                    _mm_prefetch(reinterpret_cast<const char*>(packed + (r + std::size_t(nr + i)) * prow + c / 2), _MM_HINT_T0);
+                __m512 lo, hi;
+                decode_block_avx512(lo, hi, e2m1, shifts, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
+                _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0), lo);
+                _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0) + kLanes, hi);
+            }
+    };
+    switch (tokens) {
+        case 1: return mxfp4_few_tokens_avx512<1, R1>(y, rows, xp, packed, scales, cols, r0, r1);
+        case 2: return mxfp4_few_tokens_avx512<2, R1>(y, rows, xp, packed, scales, cols, r0, r1);
+        case 3: return mxfp4_few_tokens_avx512<3, R1>(y, rows, xp, packed, scales, cols, r0, r1);
+        case 4: return mxfp4_few_tokens_avx512<4, R1>(y, rows, xp, packed, scales, cols, r0, r1);
+        default: return mxfp4_token_tiles<Avx512Panel>(y, xp, tokens, rows, cols, r0, r1, kAvx512Lanes.lane, decode);
     }
-    std::size_t r = r0;
-    for (; r1 - r >= 4; r += 4) mxfp4_rows_avx512<4>(y + r, xp, packed + r * prow, scales + r * srow, cols);
-    for (; r < r1; ++r) mxfp4_rows_avx512<1>(y + r, xp, packed + r * prow, scales + r * srow, cols);
 }
 
 }  // namespace detail
 KIMIK3_AVX512_END
 
+namespace detail {
+template <int R1>
+inline void matmul_mxfp4_avx512_rows(const char* name, float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
+                                     std::size_t tokens, std::size_t rows, std::size_t cols) {
+    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
+    if (!cpu_has(Isa::avx512)) fail(ErrorKind::runtime, std::string(name) + ": this CPU has no AVX-512 (F, BW, DQ, VL)");
+    std::vector<float>& xp = permuted_scratch(tokens * cols);
+    for (std::size_t t = 0; t < tokens; ++t) permute_input_avx512(xp.data() + t * cols, x + t * cols, cols);
+    const float* xpp = xp.data();
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { mxfp4_range_avx512<R1>(y, xpp, packed, scales, tokens, rows, cols, r0, r1); });
+}
+}  // namespace detail
+
 // Bit-identical to matmul_mxfp4_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
 inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
                                 std::size_t rows, std::size_t cols) {  // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
-    require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
-    if (!cpu_has(Isa::avx512)) fail(ErrorKind::runtime, "matmul_mxfp4_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
-    std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
-    for (std::size_t t = 0; t < tokens; ++t) detail::permute_input_avx512(xp.data() + t * cols, x + t * cols, cols);
-    const float* xpp = xp.data();
-    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { detail::mxfp4_range_avx512(y, xpp, packed, scales, tokens, rows, cols, r0, r1); });
+    detail::matmul_mxfp4_avx512_rows<4>("matmul_mxfp4_avx512", y, x, packed, scales, tokens, rows, cols);
+}
+
+// The same kernel with eight rows per pass for one token: eight independent chains of additions and
+// each load of x shared eight ways (8 sums + 16 decoded registers + 2 of x: 26 of the 32). On the
+// AMD Zen 5 guest this project measures (family 26, 2 vCPUs) it took the hot w1 matvec from 0.35-0.37 ms
+// to 0.30-0.33 ms at 1 thread (thread CPU time, loaded machine, 4 alternating runs each); the Intel
+// machine that tuned the 4-row kernel could not be measured again, so it keeps that one. 5.8's table
+// prefers this one on AMD family 26 only (chapter 00's 0.9: cpu_family).
+inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
+                                     std::size_t rows, std::size_t cols) {  // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
+    detail::matmul_mxfp4_avx512_rows<8>("matmul_mxfp4_avx512_zen5", y, x, packed, scales, tokens, rows, cols);
 }
 #endif
 
