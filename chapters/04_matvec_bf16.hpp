@@ -9,7 +9,7 @@
 //   in its own order. Also new: a T-token form that reads and decodes each weight once for T tokens
 //   (prefill chunks, speculative verification), through a small tile of decoded rows in L1, giving per
 //   token exactly the bits of T single matvecs; and a kernel family: the reference, the xsimd kernel
-//   and one written for AVX-512 (in the appendix 04a), one of which is chosen in one place (4.4).
+//   and ones written for AVX-512 and NEON (in the appendix 04a), one of which is chosen in one place (4.4).
 //
 // WHERE THIS SITS IN KIMI K3
 //   Every projection outside the routed experts: KDA q/k/v/g [12288, 7168] and o_proj [7168, 12288],
@@ -47,7 +47,7 @@
 //
 // SECTIONS
 //   4.1 the reference      4.2 the even/odd lane layout      4.3 T tokens, one read: tiles in L1
-//   4.4 the xsimd kernel and the one dispatch point (AVX-512 body: APPENDIX 04a_bf16_kernels.hpp)
+//   4.4 the xsimd kernel and the one dispatch point (AVX-512 and NEON bodies: APPENDIX 04a_bf16_kernels.hpp)
 //   4.5 matrices stored as F32 or F16 (the same lane rule, widened exactly)
 //   4.6 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
 // ====================================================================================================
@@ -307,15 +307,17 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
 }
 
 // The family, narrowest first: the reference, the shim's kernel, then the ones written for one
-// instruction set (the appendix chapters/04a_bf16_kernels.hpp: AVX-512 on x86-64, nothing extra on arm64,
-// where the shim's two instructions per 8 weights are already what a NEON kernel would do).
+// instruction set (the appendix chapters/04a_bf16_kernels.hpp: NEON on arm64, AVX-512 on x86-64).
 using Bf16Matmul = void (*)(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
                             std::size_t ldy);  // y (T, ldy), x (T, in), w (out, in)
 inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
                                std::size_t ldy = 0);  // 04a (x86-64 builds only)
+inline void matmul_bf16_neon(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                             std::size_t ldy = 0);  // 04a (arm64 builds only)
 inline constexpr Kernel<Bf16Matmul> kBf16Kernels[] = {
     {"reference", Isa::xsimd, matmul_bf16_ref},
     {"xsimd", Isa::xsimd, matmul_bf16_simd},
+    {"neon", Isa::neon, KIMIK3_NEON_ONLY(matmul_bf16_neon)},
     {"avx512", Isa::avx512, KIMIK3_X86_ONLY(matmul_bf16_avx512)},
 };
 
@@ -462,5 +464,5 @@ inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef
 
 }  // namespace kimik3
 
-// The kernels written for one instruction set (AVX-512) live in the appendix, which includes this file.
+// The kernels written for one instruction set (AVX-512, NEON) live in the appendix, which includes this file.
 #include "04a_bf16_kernels.hpp"

@@ -7,12 +7,8 @@
 // dispatcher of 4.4 names them in its table; chapter 00's appendix (0.9) chooses.
 //
 //   4a.1 AVX-512: one register is the 16 lanes (x86-64; picked when the CPU has AVX-512 F/BW/DQ/VL)
+//   4a.2 NEON: shll #16 widens in column order (arm64)
 //
-// Why no NEON kernel for bf16: on arm64 the shim's kernel (4.2) already is what one would write by
-// hand: one 128-bit load of 8 bf16 as 4 x u32, `shl #16` for the even elements and `and` with
-// 0xFFFF0000 for the odd ones, then fmul + fadd per 4 lanes. Compiled by aarch64-linux-gnu-g++ -O2 its
-// inner loop is 1.1 instructions per weight at one token (make test-aarch64 checks its bits under qemu;
-// the instruction count is from its disassembly, bench/README: no ARM machine was timed).
 // ====================================================================================================
 #pragma once
 
@@ -20,6 +16,9 @@
 
 #if KIMIK3_X86_KERNELS
 #include <immintrin.h>
+#endif
+#if KIMIK3_NEON_KERNELS
+#include <arm_neon.h>
 #endif
 
 namespace kimik3 {
@@ -126,6 +125,75 @@ inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::siz
     if (!cpu_has(Isa::avx512)) fail(ErrorKind::runtime, "matmul_bf16_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
     if (ldy == 0) ldy = rows;
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { detail::bf16_range_avx512(y, ldy, x, w, tokens, cols, r0, r1); });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// 4a.2 NEON: `shll #16` widens 4 bf16 to 4 f32 in column order
+// ---------------------------------------------------------------------------------------------------
+// The shim's kernel (4.2) compiles on arm64, but xsimd 8.1's NEON integer shifts were not inlined by
+// aarch64-linux-gnu-g++ -O2: its inner loop made two calls per 8 weights. Here one ldp of 16 bf16 (two
+// registers of 8 x u16) and four `shll`/`shll2 #16` give columns 0-3, 4-7, 8-11, 12-15 as f32, exactly
+// (bf16 -> f32 appends 16 zero bits), so register a holds logical lanes 4a .. 4a+3: the natural order,
+// and x is read as it is. One token: 4 rows x 4 registers of sums (16 of the 32 registers), each load
+// of x shared by the 4 rows; T tokens: 4.3's tiles with the shim's inner loop (its float operations
+// are single NEON instructions). Disassembly, one token: 14 instructions per 16 weights of a row
+// (2 loads, 4 shll, 4 fmul, 4 fadd) plus 4 loads of x per 4 rows: about 0.94 instructions per weight.
+#if KIMIK3_NEON_KERNELS
+namespace detail {
+
+inline void widen_bf16_neon(float32x4_t (&w)[4], const bf16* p) {  // 16 bf16 -> 16 f32, exact, column order
+    const uint16x8_t lo = vld1q_u16(p), hi = vld1q_u16(p + 8);
+    w[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(lo), 16));
+    w[1] = vreinterpretq_f32_u32(vshll_high_n_u16(lo, 16));
+    w[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(hi), 16));
+    w[3] = vreinterpretq_f32_u32(vshll_high_n_u16(hi, 16));
+}
+
+template <int R>
+inline void bf16_rows_neon(float* y, const float* x, const bf16* w, std::size_t cols) {  // y (R) at row 0, x (in), w (R, in)
+    float32x4_t acc[R][4];
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int a = 0; a < 4; ++a) acc[r][a] = vdupq_n_f32(0.0f);
+    const std::size_t full = full_chunks(cols);
+    for (std::size_t c = 0; c < full; c += kLanes) {
+        float32x4_t xv[4];
+        KIMIK3_UNROLL for (int a = 0; a < 4; ++a) xv[a] = vld1q_f32(x + c + std::size_t(4 * a));
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+            float32x4_t wv[4];
+            widen_bf16_neon(wv, w + std::size_t(r) * cols + c);
+            KIMIK3_UNROLL for (int a = 0; a < 4; ++a) acc[r][a] = vaddq_f32(acc[r][a], vmulq_f32(wv[a], xv[a]));
+        }
+    }
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
+        float lanes[kLanes];
+        KIMIK3_UNROLL for (int a = 0; a < 4; ++a) vst1q_f32(lanes + 4 * a, acc[r][a]);
+        const bf16* wr = w + std::size_t(r) * cols;
+        y[r] = finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * x[i]; });
+    }
+}
+
+}  // namespace detail
+
+// Bit-identical to matmul_bf16_ref.
+inline void matmul_bf16_neon(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                             std::size_t ldy) {  // y (T, ldy), x (T, in), w (out, in)
+    if (ldy == 0) ldy = rows;
+    auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {
+        for (int i = 0; i < nr; ++i)
+            for (std::size_t c = c0; c < c1; c += kLanes) {
+                float32x4_t wv[4];
+                detail::widen_bf16_neon(wv, w + (r + std::size_t(i)) * cols + c);
+                for (int a = 0; a < 4; ++a) vst1q_f32(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(4 * a), wv[a]);
+            }
+    };
+    auto tail = [&](std::size_t r, std::size_t t, std::size_t i) { return bf16_to_f32(w[r * cols + i]) * x[t * cols + i]; };
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
+        if (tokens > 1) return detail::token_tiles<detail::SimdPanel>(y, ldy, x, tokens, r0, r1, cols, detail::kNaturalLanes, decode, tail);
+        std::size_t r = r0;
+        for (; r1 - r >= 4; r += 4) detail::bf16_rows_neon<4>(y + r, x, w + r * cols, cols);
+        for (; r < r1; ++r) detail::bf16_rows_neon<1>(y + r, x, w + r * cols, cols);
+    });
 }
 #endif
 

@@ -3,14 +3,15 @@
 # (test cases, summed over all binaries; "skipped" counts the kernel checks a binary could not run on this
 # machine, tests/main.cpp). A binary that dies without printing its count line (a crash, a sanitizer
 # abort) adds one failure named after it. A script that prints "P passed, F failed" without a skipped
-# count adds 0 skipped. Usage: tests/run.sh BIN [BIN...]
+# count adds 0 skipped. KIMIK3_RUNNER, when set, is a command that runs each binary (make test-aarch64:
+# qemu-aarch64). Usage: tests/run.sh BIN [BIN...]
 set -u
 passed=0
 failed=0
 skipped=0
 for bin in "$@"; do
     name=$(basename "$bin")
-    out=$("$bin" 2>&1)
+    out=$(${KIMIK3_RUNNER:-} "$bin" 2>&1)
     rc=$?
     printf '%s\n' "$out" | grep -v '^kimik3-tests: '
     line=$(printf '%s\n' "$out" | grep '^kimik3-tests: ' | tail -n 1)
