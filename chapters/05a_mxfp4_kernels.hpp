@@ -304,11 +304,14 @@ inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* pa
 }
 
 // The same kernel with eight rows per pass for one token: eight independent chains of additions and
-// each load of x shared eight ways (8 sums + 16 decoded registers + 2 of x: 26 of the 32). On the
-// AMD Zen 5 guest this project measures (family 26, 2 vCPUs) it took the hot w1 matvec from 0.35-0.37 ms
-// to 0.30-0.33 ms at 1 thread (thread CPU time, loaded machine, 4 alternating runs each); the Intel
-// machine that tuned the 4-row kernel could not be measured again, so it keeps that one. 5.8's table
-// prefers this one on AMD family 26 only (chapter 00's 0.9: cpu_family).
+// each load of x shared eight ways (8 sums + 16 decoded registers + 2 of x: 26 of the 32). What bound
+// the 4-row kernel on the AMD Zen 5 guest this project measures (family 26, 2 vCPUs) was not the
+// multiplies (loading the scaled table instead of multiplying it changed nothing) but too few
+// independent chains to hide the decode's shuffles. There, beside ggml's gemv_mxfp4_8x8_q8_0 (d99724f2,
+// repacked, activations in int8: not exact) built in the same process, w1 3584 -> 3072, 1 thread,
+// thread CPU time, medians of 7, 3 runs each: 4 rows 0.62-0.82x ggml streamed and 0.70-0.81x hot;
+// 8 rows 0.96-1.03x streamed and 0.86-1.07x hot. The Intel machine that tuned the 4-row kernel could not
+// be measured again, so it keeps that one: 5.8's table prefers this one on AMD family 26 only.
 inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
                                      std::size_t rows, std::size_t cols) {  // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     detail::matmul_mxfp4_avx512_rows<8>("matmul_mxfp4_avx512_zen5", y, x, packed, scales, tokens, rows, cols);
@@ -333,10 +336,10 @@ inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_
 //
 // Lanes: register i of the block covers columns 32b + 4i .. 4i+3, i.e. logical lanes (4i) % 16: the
 // natural order of the xsimd kernel (accumulator i % 4), so x is not permuted.
-// Instruction count (the disassembly of aarch64-linux-gnu-g++ -O2, one token, per 32 weights): 29 for the
-// decode (1 load, and, ushr, 2 zip, 4 tbl, 4 zip, 8 shll, 8 fmul, + the scale's load and dup), 8 loads of
-// x (as 4 ldp), 8 fmul, 8 fadd: about 1.7 instructions per weight, against 4.0 for the xsimd kernel of 5.5
-// on NEON (its arithmetic decode). No ARM machine was available to time either: these are counts only.
+// Instruction count (the disassembly of aarch64-linux-gnu-g++ 12 -O2, one token): the inner loop is 56
+// instructions per block of 32 weights (4 tbl, 6 zip, 8 shll/shll2, 16 fmul, 8 fadd, 7 loads, and the
+// rest): 1.75 per weight, against 229 instructions and 8 calls per block (7.2 per weight) for the xsimd
+// kernel of 5.5 on NEON. No ARM machine was available to time either: these are counts only.
 #if KIMIK3_NEON_KERNELS
 namespace detail {
 
