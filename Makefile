@@ -5,6 +5,7 @@
 #   make test            build and run every chapter's tests; the last line is "N passed, N failed"
 #   make test-05         one chapter's tests            make run-05      one chapter's example
 #   make test-scalar     the whole suite with every dispatcher forced to the reference path (KIMIK3_SCALAR=1)
+#   make test-aarch64    the chapter tests and example transcripts built for arm64 (NEON) and run under qemu
 #   make headers         compile each chapter header on its own (chapter N needs only chapters < N;
 #                        an appendix NNa_topic.hpp too)
 #   make lint            the rules a machine can check: headers <= 600 lines, no #if in a function body,
@@ -65,7 +66,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: lint all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: lint test-aarch64 aarch64-deps all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -150,6 +151,28 @@ test-%: deps
 # make test VARIANT=-scalar EXTRA=-DKIMIK3_SCALAR.)
 test-scalar: deps
 	@KIMIK3_SCALAR=1 $(MAKE) --no-print-directory test
+
+# test-aarch64: the engine on arm64 (Apple silicon, Raspberry Pi, Graviton), built with Debian's cross
+# compiler and run under qemu's user-mode emulator (both installed when missing): every chapter's tests,
+# including 13.3's pinned logits hashes (the same bits as x86-64), with the NEON kernels the tests
+# count, then every example against its transcript. The CLI tests are left out: kimik3 links Debian's
+# cpp-httplib, an x86-64 library here (no arm64 copy without a second dpkg architecture). qemu runs
+# the code at a fraction of native speed: timings here say nothing about an ARM machine.
+A64_CXX   ?= aarch64-linux-gnu-g++
+A64_RUN   ?= qemu-aarch64 -L /usr/aarch64-linux-gnu
+A64_BUILD := build/$(A64_CXX)
+A64_TESTS := $(patsubst tests/%.cpp,$(A64_BUILD)/tests/%,$(TEST_SRCS))
+A64_EXS   := $(patsubst examples/%.cpp,$(A64_BUILD)/examples/%,$(EX_SRCS))
+aarch64-deps:
+	@if ! command -v $(A64_CXX) >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then \
+	  echo "deps: installing g++-aarch64-linux-gnu qemu-user"; SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++-aarch64-linux-gnu qemu-user; fi
+test-aarch64: deps aarch64-deps
+	@$(MAKE) --no-print-directory CXX=$(A64_CXX) ARCH=-march=armv8-a $(A64_TESTS) $(A64_EXS)
+	@fail=0; for ex in $(A64_EXS); do name=$$(basename $$ex); \
+	  if $(A64_RUN) $$ex 2>/dev/null | diff -u examples/transcripts/$$name.txt - > $(A64_BUILD)/$$name.diff; then echo "  ok   $$name (arm64)"; \
+	  else echo "  DIFF $$name (arm64, see $(A64_BUILD)/$$name.diff)"; fail=1; fi; done; \
+	KIMIK3_RUNNER="$(A64_RUN)" tests/run.sh $(A64_TESTS) || fail=1; exit $$fail
 
 # debug: the suite under ASan + UBSan (-O1 keeps it fast enough; frame pointers for readable traces).
 debug: deps

@@ -32,6 +32,14 @@ int g_reps = 5;
 
 using bench::median_seconds;
 
+// The kernels of a family this machine runs (chapter 00's 0.9), widest first.
+template <class Fn> std::vector<Kernel<Fn>> runnable(std::span<const Kernel<Fn>> family) {
+    std::vector<Kernel<Fn>> out;
+    for (const auto& k : family)
+        if (k.fn != nullptr && cpu_has(k.isa)) out.insert(out.begin(), k);
+    return out;
+}
+
 // The machine's limit: bytes per second a plain read of a large buffer achieves (no compute: four
 // SIMD accumulators summing floats), with `threads` threads, each over its own contiguous part.
 double read_bandwidth(const std::vector<float>& buf, int threads) {
@@ -130,9 +138,7 @@ void bench_bf16(const Limits& lim) {
         const char* name;
         std::size_t rows, cols;
     };
-    using Fn = void (*)(float*, const float*, const bf16*, std::size_t, std::size_t, std::size_t, std::size_t);
-    std::vector<std::pair<const char*, Fn>> paths = {{"simd", matmul_bf16_simd}, {"ref", matmul_bf16_ref}};
-    if (cpu_isa() >= Isa::avx512) paths.insert(paths.begin(), {"avx512", matmul_bf16_avx512});
+    const auto paths = runnable(std::span<const Kernel<Bf16Matmul>>(kBf16Kernels));
     const auto w = rng.bf16s(copies * matrix / 2);
     for (const Shape& s : {Shape{"KDA q_proj 7168 -> 12288", 12288, 7168}, Shape{"KDA o_proj 12288 -> 7168", 7168, 12288}}) {
         const auto x = rng.floats(s.cols);
@@ -140,12 +146,36 @@ void bench_bf16(const Limits& lim) {
         const double weights = double(s.rows * s.cols), bytes = weights * 2;
         for (int threads : {1, 2}) {
             set_threads(threads);
-            for (auto [name, fn] : paths) {
+            for (const auto& k : paths) {
                 std::size_t call = 0;  // each call reads the next copy
-                const int reps = std::string(name) == "ref" ? std::min(g_reps, 3) : g_reps;
-                row(s.name, name, threads, weights, bytes, median_seconds(reps, [&] {
-                        fn(y.data(), x.data(), w.data() + (call++ % copies) * s.rows * s.cols, 1, s.rows, s.cols, 0);
+                const int reps = std::string(k.name) == "reference" ? std::min(g_reps, 3) : g_reps;
+                row(s.name, k.name, threads, weights, bytes, median_seconds(reps, [&] {
+                        k.fn(y.data(), x.data(), w.data() + (call++ % copies) * s.rows * s.cols, 1, s.rows, s.cols, s.rows);
                     }), lim);
+            }
+        }
+    }
+    // T tokens per read of the weights (q_proj 7168 -> 12288, streamed): each weight read and widened once.
+    std::printf("\n4.x bf16 matmul, T tokens per read of the weights (KDA q_proj 7168 -> 12288, streamed)\n");
+    std::printf("  %-8s %-9s %2s  %12s  %12s  %10s  %s\n", "T", "kernel", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
+    const std::size_t rows = 12288, cols = 7168, Tmax = 16;
+    const auto xs = rng.floats(Tmax * cols);
+    std::vector<float> yT(Tmax * rows);
+    for (int threads : {1, 2}) {
+        set_threads(threads);
+        for (const auto& k : paths) {
+            if (std::string(k.name) == "reference") continue;
+            double t1 = 0;
+            for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(4), std::size_t(16)}) {
+                std::size_t call = 0;
+                const double sec = median_seconds(g_reps, [&] { k.fn(yT.data(), xs.data(), w.data() + (call++ % copies) * rows * cols, T, rows, cols, rows); });
+                if (T == 1) t1 = sec;
+                char label[16];
+                std::snprintf(label, sizeof label, "T = %zu", T);
+                const double bw = double(rows * cols * 2) / sec;
+                std::printf("  %-8s %-9s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw\n", label, k.name, threads, sec * 1e3,
+                            double(rows * cols) / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2));
+                std::fflush(stdout);
             }
         }
     }
@@ -173,14 +203,13 @@ void bench_mxfp4(const Limits& lim) {
     auto mat = [&](std::size_t e, std::size_t m) { return arena.data() + e * expert_bytes + m * (p13 + s13); };
     const auto xL = rng.floats(L), xF = rng.floats(F);
     std::vector<float> yF(F), yL(L);
-    using Fn = void (*)(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t, std::size_t);
-    std::vector<std::pair<const char*, Fn>> paths = {{"simd", matmul_mxfp4_simd}, {"ref", matmul_mxfp4_ref}};
-    if (cpu_isa() >= Isa::avx2) paths.insert(paths.begin(), {"avx2", matmul_mxfp4_avx2});
-    if (cpu_isa() >= Isa::avx512) paths.insert(paths.begin(), {"avx512", matmul_mxfp4_avx512});
+    const auto paths = runnable(std::span<const Kernel<Mxfp4Matmul>>(kMxfp4Kernels));
     for (int threads : {1, 2}) {
         set_threads(threads);
-        for (auto [name, fn] : paths) {
-            const int reps = std::string(name) == "ref" ? std::min(g_reps, 3) : g_reps;
+        for (const auto& k : paths) {
+            const char* name = k.name;
+            const Mxfp4Matmul fn = k.fn;
+            const int reps = std::string(name) == "reference" ? std::min(g_reps, 3) : g_reps;
             const double w13 = double(F * L), b13 = double(p13 + s13);
             // w1/w3 shape, one call per distinct expert: time per call
             double sec = median_seconds(reps, [&] {
@@ -205,40 +234,43 @@ void bench_mxfp4(const Limits& lim) {
     }
 
     // T tokens against one read of the weights (chunked prefill, speculative verification): each weight
-    // is decoded once per group of up to 4 tokens (chapter 05's tokens kernels). Streamed: the w1 matrices of the distinct experts in turn; hot: one expert's w1 again
-    // and again (5.85 MB: in the last-level cache, not in L2).
-    std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072; the fast path on this machine: %s)\n",
-                mxfp4_kernel_name());
-    std::printf("  %-8s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "weights", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
+    // is decoded once into chapter 04's tile (4.3) and used by every token. Streamed: the w1 matrices of
+    // the distinct experts in turn; hot: one expert's w1 again and again (5.85 MB: in the last-level cache).
+    std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072)\n");
+    std::printf("  %-8s %-9s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "kernel", "weights", "th", "median/call", "weights", "vs T = 1",
+                "ratio to limits");
     const std::size_t Tmax = 16;
     const auto xs = rng.floats(Tmax * L);
     std::vector<float> yT(Tmax * F), y1(F);
     bool same = true;
     for (int threads : {1, 2}) {
         set_threads(threads);
-        for (const bool hot : {false, true}) {
-            double t1 = 0;
-            for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(4), std::size_t(16)}) {
-                const double sec = median_seconds(g_reps, [&] {
-                    for (std::size_t e = 0; e < E; ++e) {
-                        const std::size_t m = hot ? 0 : e;
-                        matmul_mxfp4(yT.data(), xs.data(), mat(m, 0), mat(m, 0) + p13, T, F, L);
+        for (const auto& k : paths) {
+            if (std::string(k.name) == "reference" || std::string(k.name) == "xsimd") continue;
+            for (const bool hot : {false, true}) {
+                double t1 = 0;
+                for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(4), std::size_t(16)}) {
+                    const double sec = median_seconds(g_reps, [&] {
+                        for (std::size_t e = 0; e < E; ++e) {
+                            const std::size_t m = hot ? 0 : e;
+                            k.fn(yT.data(), xs.data(), mat(m, 0), mat(m, 0) + p13, T, F, L);
+                        }
+                    }) / double(E);
+                    if (T == 1) t1 = sec;
+                    const double bytes = double(p13 + s13), bw = bytes / sec;
+                    char label[16];
+                    std::snprintf(label, sizeof label, "T = %zu", T);
+                    std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n",
+                                label, k.name, hot ? "hot" : "stream", threads, sec * 1e3, double(F * L) / sec / 1e9, sec / t1,
+                                bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
+                    std::fflush(stdout);
+                    // each token's row must be the matvec's, bit for bit
+                    for (std::size_t t = 0; t < T; ++t) {
+                        k.fn(y1.data(), xs.data() + t * L, mat(hot ? 0 : E - 1, 0), mat(hot ? 0 : E - 1, 0) + p13, 1, F, L);
+                        same = same && std::equal(y1.begin(), y1.end(), yT.begin() + long(t * F), [](float a, float b) {
+                                   return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+                               });
                     }
-                }) / double(E);
-                if (T == 1) t1 = sec;
-                const double bytes = double(p13 + s13), bw = bytes / sec;
-                char label[16];
-                std::snprintf(label, sizeof label, "T = %zu", T);
-                std::printf("  %-8s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n", label,
-                            hot ? "hot" : "stream", threads, sec * 1e3, double(F * L) / sec / 1e9, sec / t1,
-                            bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
-                std::fflush(stdout);
-                // each token's row must be the matvec's, bit for bit
-                for (std::size_t t = 0; t < T; ++t) {
-                    matmul_mxfp4(y1.data(), xs.data() + t * L, mat(hot ? 0 : E - 1, 0), mat(hot ? 0 : E - 1, 0) + p13, 1, F, L);
-                    same = same && std::equal(y1.begin(), y1.end(), yT.begin() + long(t * F), [](float a, float b) {
-                               return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
-                           });
                 }
             }
         }

@@ -57,9 +57,9 @@
 //   5. f32 -> bf16 is RNE; NaN stays NaN (quiet). bf16 -> f32 is exact. Denormals are kept (we never
 //      set flush-to-zero: E8M0 scale 0 in chapter 05 IS a denormal, 2^-127).
 //   6. SIMD width: the shim picks AVX2 (W = 8), else SSE2/NEON (W = 4), when the program is compiled;
-//      its W stays capped at 8. AVX-512 is used by whole kernels written for it (chapters 04 and 05),
-//      chosen when the program runs (0.9): there one 16-float register holds the 16 logical lanes,
-//      and the same rule gives the same bits.
+//      its W stays capped at 8. AVX-512 and NEON are used by whole kernels written for them (chapters
+//      04 and 05), chosen when the program runs (0.9, in the appendix 00a_isa.hpp): there one 16-float
+//      AVX-512 register holds the 16 logical lanes, and the same rule gives the same bits.
 //
 // DIMENSION LEGEND (used in every shape comment of the project)
 //   T tokens   D hidden (7168)   H heads (96)   Dh head dim (128)   C MLA latent (512 + 64)
@@ -74,7 +74,7 @@
 // SECTIONS
 //   0.1 errors            0.2 bf16 <-> f32            0.3 shape checks          0.4 the SIMD shim
 //   0.5 16-lane sums      0.6 the FMA canary          0.7 scalar transcendentals 0.8 threads
-//   0.9 instruction sets chosen at run time (AVX2, AVX-512)
+//   0.9 instruction sets chosen at run time (AVX2, AVX-512, NEON): the appendix chapters/00a_isa.hpp
 // ====================================================================================================
 #pragma once
 
@@ -489,92 +489,5 @@ void parallel_rows(std::size_t n_rows, std::size_t work_per_row, F&& f) {
     };
     run_on_threads(nt, part);
 }
-
-// ---------------------------------------------------------------------------------------------------
-// 0.9 Instruction sets chosen at run time
-// ---------------------------------------------------------------------------------------------------
-// The shim of 0.4 is fixed when the program is compiled: `-march=x86-64` gives SSE2 (W = 4) everywhere.
-// The few kernels that move most bytes (the bf16 matvec of chapter 04, the MXFP4 one of chapter 05)
-// also come as whole functions written for one instruction set, compiled into every x86-64 build with
-// the compiler's `target` attribute whatever -march says, and picked when the program runs by what the
-// CPU reports (CPUID, through the compiler's __builtin_cpu_supports, which also checks that the OS
-// saves the wide registers). So one binary runs on an SSE2-only, an AVX2 and an AVX-512 machine and
-// uses the widest kernels each has; all of them give the same bits (their tests say so).
-//
-//   avx2    AVX2: 8 floats per register (Haswell and later, Zen).
-//   avx512  AVX-512 F + BW + DQ + VL: 16 floats per register, i.e. one register holds the 16 logical
-//           lanes (Skylake-SP and later Xeons, Ice Lake, Zen 4).
-//
-// KIMIK3_ISA=xsimd|avx2|avx512 caps the choice (never above what the CPU has): a benchmark can time
-// each kernel in one binary, and a user can rule a kernel out. KIMIK3_SCALAR (0.4) still wins over it.
-enum class Isa : std::uint8_t { xsimd, avx2, avx512 };  // ordered: each can run the ones before it
-
-inline const char* isa_name(Isa i) { return i == Isa::avx512 ? "avx512" : i == Isa::avx2 ? "avx2" : "xsimd"; }
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define KIMIK3_X86_KERNELS 1
-#define KIMIK3_TARGET_AVX2 __attribute__((target("avx2")))
-#define KIMIK3_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#else
-#define KIMIK3_X86_KERNELS 0
-#endif
-
-// Around the AVX-512 kernels: g++ 12 warns that the `undefined` register inside its own AVX-512
-// intrinsics "is (or may be) used uninitialized" when the file is not compiled with -mavx512f (GCC bug
-// 105593); the warning is about the compiler's header, not the kernel.
-#if defined(__GNUC__) && !defined(__clang__)
-#define KIMIK3_AVX512_BEGIN                                                                       \
-    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
-        _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
-#define KIMIK3_AVX512_END _Pragma("GCC diagnostic pop")
-#else
-#define KIMIK3_AVX512_BEGIN
-#define KIMIK3_AVX512_END
-#endif
-
-// The widest set this CPU runs (xsimd on a machine that is not x86-64, or with a compiler other than
-// g++/clang++). Asked once: the kernels call it on every matmul.
-inline Isa cpu_isa() {
-    static const Isa isa = [] {
-#if KIMIK3_X86_KERNELS
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-            __builtin_cpu_supports("avx512vl"))
-            return Isa::avx512;
-        if (__builtin_cpu_supports("avx2")) return Isa::avx2;
-#endif
-        return Isa::xsimd;
-    }();
-    return isa;
-}
-
-// The instruction set the kernels use: the CPU's, capped by KIMIK3_ISA when set. Read once; a bad
-// value is refused naming it (the first kernel call throws; the CLI turns that into exit code 2).
-inline Isa kernel_isa() {
-    static const Isa isa = [] {
-        const Isa have = cpu_isa();
-        const char* e = std::getenv("KIMIK3_ISA");
-        if (e == nullptr || e[0] == '\0') return have;
-        const std::string v = e;
-        const Isa want = v == "xsimd" ? Isa::xsimd : v == "avx2" ? Isa::avx2 : v == "avx512" ? Isa::avx512 : Isa(255);
-        if (want == Isa(255)) fail(ErrorKind::usage, "KIMIK3_ISA=" + v + ": expected xsimd, avx2 or avx512");
-        return std::min(want, have);
-    }();
-    return isa;
-}
-
-// True when the kernels may use `i`. Dispatchers test use_simd first: KIMIK3_SCALAR means the reference.
-inline bool isa_enabled(Isa i) { return kernel_isa() >= i; }
-
-namespace detail {
-// Scratch for an input permuted into a kernel's register order (chapter 04's even/odd order, chapter
-// 05's AVX-512 order), one per calling thread. A kernel fills it before forking and reads it until it
-// returns; no kernel calls another meanwhile, so they can share it.
-inline std::vector<float>& permuted_scratch(std::size_t n) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf;
-}
-}  // namespace detail
 
 }  // namespace kimik3

@@ -6,16 +6,17 @@
 //   whose activations are f32. New since chapter 03: the dot product becomes memory-bound (every weight
 //   is used once per token), so the SIMD path is about loading 2-byte weights fast; and a SIMD register
 //   can hold the 16 logical lanes in a permuted order, as long as each lane still sees its own products
-//   in its own order. Also new: a multi-token form that reads each weight row once for T tokens (what
-//   prefill needs), giving per token exactly the bits of T single matvecs, and a kernel for AVX-512
-//   (picked when the program runs) whose registers hold the 16 lanes as they are.
+//   in its own order. Also new: a T-token form that reads and decodes each weight once for T tokens
+//   (prefill chunks, speculative verification), through a small tile of decoded rows in L1, giving per
+//   token exactly the bits of T single matvecs; and a kernel family: the reference, the xsimd kernel
+//   and ones written for AVX-512 and NEON (in the appendix 04a), one of which is chosen in one place (4.4).
 //
 // WHERE THIS SITS IN KIMI K3
 //   Every projection outside the routed experts: KDA q/k/v/g [12288, 7168] and o_proj [7168, 12288],
 //   MLA projections, the router [896, 7168], the latent down/up projections [3584, 7168]/[7168, 3584],
 //   shared experts, the dense FFN of layer 0 [33792, 7168], and lm_head [163840, 7168]. Per token
-//   about 108.8 GB of trunk weights pass through this kernel if nothing is resident (the release's tensor
-//   shapes, summed in docs/at-a-glance.md).
+//   about 111.1 GB of trunk weights pass through this kernel if nothing is resident: the 93 layers'
+//   matrices (108.8 GB) plus lm_head (2.35 GB) (the release's tensor shapes, summed in docs/at-a-glance.md).
 //
 // CONCEPTS
 //   row-major [out, in]   W[r][c] at element r*in + c: one output's weights are contiguous.
@@ -37,15 +38,16 @@
 //   y[r] = hsum16(lanes), lane l = sum over i = l, l+16, l+32, ... (in that order) of
 //   bf16_to_f32(W[r][i]) * x[i], each product rounded, then added. `in` and `out` are anything: the
 //   SIMD kernel runs the whole 16-element chunks in registers and adds the last in % 16 products into
-//   their lanes in plain code (chapter 00's finish_tail), as the reference does. Rows are split across threads (never a row's sum), so 1 or N threads give the same bits.
+//   their lanes in plain code (chapter 00's finish_tail), as the reference does. Rows are split
+//   across threads (never a row's sum), so 1 or N threads give the same bits.
 //   matmul_bf16 (T tokens): Y[t][r] has exactly the bits of matvec_bf16 on token t alone.
 //
-// USES     chapter 00 (lanes, hsum16, shim, parallel_rows)
+// USES     chapter 00 (lanes, hsum16, shim, parallel_rows; 0.9 in 00a: the kernel choice)
 // RUN      make run-04        TEST   make test-04        BENCH   make bench
 //
 // SECTIONS
-//   4.1 the reference      4.2 the even/odd lane layout      4.3 the SIMD kernels (xsimd, AVX-512)
-//   4.4 dispatch
+//   4.1 the reference      4.2 the even/odd lane layout      4.3 T tokens, one read: tiles in L1
+//   4.4 the xsimd kernel and the one dispatch point (AVX-512 and NEON bodies: APPENDIX 04a_bf16_kernels.hpp)
 //   4.5 matrices stored as F32 or F16 (the same lane rule, widened exactly)
 //   4.6 matrices that arrive in pieces (resident or streamed in row chunks: the same bits)
 // ====================================================================================================
@@ -57,11 +59,7 @@
 #include <functional>
 #include <vector>
 
-#include "00_numerics.hpp"
-
-#if KIMIK3_X86_KERNELS
-#include <immintrin.h>
-#endif
+#include "00a_isa.hpp"
 
 namespace kimik3 {
 
@@ -162,28 +160,145 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------------
-// 4.3 The SIMD kernels
+// 4.3 T tokens, one read of the weights: a tile of decoded rows in L1
+// ---------------------------------------------------------------------------------------------------
+// One token reads every weight once and uses it once: memory-bound. T tokens (a prefill chunk, a
+// speculative verification) should read and decode each weight ONCE and use it T times. Registers
+// cannot hold T tokens' sums for several rows (T = 16, 4 rows: 64 sums of 16 lanes), so the plan is:
+//
+//   for each group of R rows:                                   (R = 4 on AVX-512, 2 on 8-wide SIMD)
+//     sums[R][T] = 0                                            (16 lanes each, in memory: 4 kB at T = 16)
+//     for each panel of kPanel columns (in column order):
+//       tile[R][kPanel] = the R rows' weights of the panel, decoded to f32       <- once per weight
+//       for each group of NT tokens:                                             <- T / NT times, from L1
+//         load sums[R][NT]; for each 16-column chunk: sum += tile * x; store sums[R][NT]
+//     y[t][r] = hsum16(sums[r][t] in logical lane order, then the tail columns)
+//
+// Each (row, token) sum still receives its products chunk by chunk in column order, lane by lane: the
+// bits of one row and one token alone. The decoder decides the register order of the tile (and x is
+// permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is.
+// A panel of 256 columns keeps the tile (4 kB) and the tokens' slice of x (16 kB at T = 16) in L1.
+inline constexpr std::size_t kPanel = 256;
+
+namespace detail {
+
+// The T-token plan above for rows [r0, r1). Panel::run<NR, NT>(sums, sums_t, tile, x, x_stride, n) is the
+// ISA's inner loop; decode(tile, row, nr, c0, c1) fills tile (nr, kPanel); tail(row, t, i) is the
+// product of a column past the last full chunk (bf16 only: MXFP4 widths are multiples of 32).
+template <class Panel, class Decode, class Tail>
+inline void token_tiles(float* y, std::size_t ldy, const float* xp, std::size_t tokens, std::size_t r0, std::size_t r1,
+                        std::size_t cols, const int (&lane)[kLanes], Decode&& decode, Tail&& tail) {
+    // y (T, ldy), xp (T, in) in the decoder's order
+    constexpr int R = Panel::kRows, NT = Panel::kTokens;
+    const std::size_t full = full_chunks(cols), panels = (full + kPanel - 1) / kPanel;
+    thread_local std::vector<float> sums_buf, tile_buf, x_buf;
+    sums_buf.resize(std::size_t(R) * tokens * kLanes);
+    tile_buf.resize(std::size_t(R) * kPanel);
+    x_buf.resize(panels * tokens * kPanel);
+    float* sums = sums_buf.data();  // (R, T, 16)
+    float* tile = tile_buf.data();  // (R, kPanel)
+    float* xq = x_buf.data();       // (panels, T, kPanel): each panel's slice of every token, side by side
+    // (Token rows of x are `in` floats apart; at K3's widths that is a multiple of 2 kB, so 16 tokens'
+    // slices would fall into the same few L1 sets and evict each other. Contiguous, they fit.)
+    for (std::size_t p = 0; p < panels; ++p)
+        for (std::size_t t = 0; t < tokens; ++t)
+            std::copy(xp + t * cols + p * kPanel, xp + t * cols + std::min(full, (p + 1) * kPanel), xq + (p * tokens + t) * kPanel);
+    for (std::size_t r = r0; r < r1;) {
+        const int nr = r1 - r >= std::size_t(R) ? R : 1;
+        std::fill(sums, sums + std::size_t(nr) * tokens * kLanes, 0.0f);
+        for (std::size_t c0 = 0; c0 < full; c0 += kPanel) {
+            const std::size_t c1 = std::min(full, c0 + kPanel), n = c1 - c0;
+            decode(tile, r, nr, c0, c1);
+            for (std::size_t t = 0; t < tokens;) {
+                const int nt = tokens - t >= std::size_t(NT) ? NT : tokens - t >= 2 ? 2 : 1;
+                float* s = sums + t * kLanes;
+                const float* xt = xq + (c0 / kPanel * tokens + t) * kPanel;
+                if (nr == R && nt == NT) Panel::template run<R, NT>(s, tokens, tile, xt, kPanel, n);
+                else if (nr == R && nt == 2) Panel::template run<R, 2>(s, tokens, tile, xt, kPanel, n);
+                else if (nr == R) Panel::template run<R, 1>(s, tokens, tile, xt, kPanel, n);
+                else if (nt == NT) Panel::template run<1, NT>(s, tokens, tile, xt, kPanel, n);
+                else if (nt == 2) Panel::template run<1, 2>(s, tokens, tile, xt, kPanel, n);
+                else Panel::template run<1, 1>(s, tokens, tile, xt, kPanel, n);
+                t += std::size_t(nt);
+            }
+        }
+        for (int i = 0; i < nr; ++i)
+            for (std::size_t t = 0; t < tokens; ++t) {
+                const float* s = sums + (std::size_t(i) * tokens + t) * kLanes;
+                float lanes[kLanes];
+                for (int p = 0; p < kLanes; ++p) lanes[lane[p]] = s[p];
+                y[t * ldy + r + std::size_t(i)] = finish_tail(lanes, full, cols, [&](std::size_t c) { return tail(r + std::size_t(i), t, c); });
+            }
+        r += std::size_t(nr);
+    }
+}
+
+// The shim's inner loop: NR rows x NT tokens, each sum 16/W registers, over n columns of a panel.
+// sums: (row, token) at sums + (row * sums_t + token) * 16; tile (NR, kPanel); x (NT, x_stride).
+struct SimdPanel {
+    static constexpr int kRows = 2, kTokens = 2;  // 2 x 2 x 16/W sums + loads fit 16 registers at W = 8
+    template <int NR, int NT>
+    static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
+        constexpr int A = simd::kBatchesPer16;
+        simd::f32 acc[NR][NT][A];
+        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+                KIMIK3_UNROLL for (int a = 0; a < A; ++a) acc[r][t][a] = simd::load(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(a * simd::W));
+        for (std::size_t c = 0; c < n; c += kLanes)
+            KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
+                simd::f32 w[NR];
+                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = simd::load(tile + std::size_t(r) * kPanel + c + std::size_t(a * simd::W));
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+                    const simd::f32 xv = simd::load(x + std::size_t(t) * x_stride + c + std::size_t(a * simd::W));
+                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t][a] = acc[r][t][a] + w[r] * xv;
+                }
+            }
+        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
+                KIMIK3_UNROLL for (int a = 0; a < A; ++a) simd::store(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(a * simd::W), acc[r][t][a]);
+    }
+};
+
+// Logical lane of position p of a sum stored from the even/odd registers of 4.2.
+struct EvenOddLanes {
+    int lane[kLanes];
+    constexpr EvenOddLanes() : lane{} {
+        for (int a = 0; a < simd::kBatchesPer16; ++a)
+            for (int j = 0; j < simd::W; ++j) lane[a * simd::W + j] = lane_of(a, j);
+    }
+};
+inline constexpr EvenOddLanes kEvenOddLanes{};
+inline constexpr int kNaturalLanes[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // position p = lane p
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+// 4.4 The xsimd kernel, and the one dispatch point
 // ---------------------------------------------------------------------------------------------------
 // Bit-identical to matmul_bf16_ref. The structural difference: lanes live in registers in the even/odd
-// order of 4.2, and rows (one token) or tokens (several) are processed four at a time.
+// order of 4.2; one token runs four rows at a time straight from the weights, T tokens run the tiles
+// of 4.3 (the tile is the rows widened into even/odd order, exactly as the registers hold them).
 inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
                              std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
     if (ldy == 0) ldy = rows;
     std::vector<float>& xp = detail::permuted_scratch(tokens * cols);
     for (std::size_t t = 0; t < tokens; ++t) detail::permute_input(xp.data() + t * cols, x + t * cols, cols);
     const float* xpp = xp.data();
+    auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {  // widen, in register order
+        const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
+        for (int i = 0; i < nr; ++i)
+            for (std::size_t c = c0; c < c1; c += 2 * simd::W) {
+                const simd::u32 u = simd::load_u32(w + (r + std::size_t(i)) * cols + c);
+                simd::store(tile + std::size_t(i) * kPanel + (c - c0), simd::as_f32(u << 16));
+                simd::store(tile + std::size_t(i) * kPanel + (c - c0) + simd::W, simd::as_f32(u & high_mask));
+            }
+    };
+    auto tail = [&](std::size_t r, std::size_t t, std::size_t i) { return bf16_to_f32(w[r * cols + i]) * x[t * cols + i]; };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
-        if (tokens == 1) {
-            std::size_t r = r0;
-            for (; r1 - r >= 4; r += 4) detail::bf16_block<4, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
-            for (; r < r1; ++r) detail::bf16_block<1, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
-            return;
-        }
-        for (std::size_t r = r0; r < r1; ++r) {
-            std::size_t t = 0;
-            for (; tokens - t >= 4; t += 4) detail::bf16_block<1, 4>(y + t * ldy + r, ldy, xpp + t * cols, cols, w + r * cols, cols);
-            for (; t < tokens; ++t) detail::bf16_block<1, 1>(y + t * ldy + r, ldy, xpp + t * cols, cols, w + r * cols, cols);
-        }
+        if (tokens > 1) return detail::token_tiles<detail::SimdPanel>(y, ldy, xpp, tokens, r0, r1, cols, detail::kEvenOddLanes.lane, decode, tail);
+        std::size_t r = r0;
+        for (; r1 - r >= 4; r += 4) detail::bf16_block<4, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
+        for (; r < r1; ++r) detail::bf16_block<1, 1>(y + r, ldy, xpp, cols, w + r * cols, cols);
     });
 }
 
@@ -191,116 +306,33 @@ inline void matvec_bf16_simd(float* y, const float* x, const bf16* w, std::size_
     matmul_bf16_simd(y, x, w, 1, rows, cols);
 }
 
-// The AVX-512 kernel (part of 4.3): the 16 lanes in one register, in their natural order.
-// Compiled into every x86-64 build and used when the CPU has AVX-512 (chapter 00's 0.9). With 16 floats
-// per register one 16-element chunk of a row is one register, so the even/odd split of 4.2 is not
-// needed: vpmovzxwd widens 16 bf16 (32 bytes) into 16 32-bit lanes and a shift by 16 makes them f32,
-// lane j = column j. One accumulator per (row, token) holds the 16 logical lanes as they are; x is
-// read unpermuted. Rows four at a time when there is one token (four independent chains of additions
-// and each load of x shared), tokens eight at a time otherwise.
-#if KIMIK3_X86_KERNELS
-KIMIK3_AVX512_BEGIN  // (g++ 12's false warnings on its own intrinsics: chapter 00's 0.9)
-namespace detail {
+// The family, narrowest first: the reference, the shim's kernel, then the ones written for one
+// instruction set (the appendix chapters/04a_bf16_kernels.hpp: NEON on arm64, AVX-512 on x86-64).
+using Bf16Matmul = void (*)(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                            std::size_t ldy);  // y (T, ldy), x (T, in), w (out, in)
+inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                               std::size_t ldy = 0);  // 04a (x86-64 builds only)
+inline void matmul_bf16_neon(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                             std::size_t ldy = 0);  // 04a (arm64 builds only)
+inline constexpr Kernel<Bf16Matmul> kBf16Kernels[] = {
+    {"reference", Isa::xsimd, matmul_bf16_ref},
+    {"xsimd", Isa::xsimd, matmul_bf16_simd},
+    {"neon", Isa::neon, KIMIK3_NEON_ONLY(matmul_bf16_neon)},
+    {"avx512", Isa::avx512, KIMIK3_X86_ONLY(matmul_bf16_avx512)},
+};
 
-// How far ahead of each row's reads the kernel prefetches. The hardware prefetcher alone left one
-// thread at 0.90-0.92 of what it reaches with this hint (2 kB measured best of 0.5-8 kB; 8 kB is worse).
-inline constexpr std::size_t kPrefetchBytes = 2048;
-
-// One 16-column chunk at column c for R rows x NT tokens.
-template <int R, int NT>
-KIMIK3_TARGET_AVX512 inline void bf16_chunk_avx512(__m512 (&acc)[R][NT], const float* x, std::size_t x_stride, const bf16* w,
-                                                   std::size_t cols, std::size_t c) {
-    __m512 wv[R];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + std::size_t(r) * cols + c));
-        wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // exact bf16 -> f32
-    }
-    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-        const __m512 xv = _mm512_loadu_ps(x + std::size_t(t) * x_stride + c);
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(wv[r], xv));
-    }
+// The kernel matmul_bf16 runs, in this one place: the reference when asked (KIMIK3_SCALAR by default),
+// else the fastest this CPU runs, chosen once by chapter 00's rule (0.9).
+inline const Kernel<Bf16Matmul>& bf16_kernel(bool reference = !use_simd) {
+    static const Kernel<Bf16Matmul>& fastest = choose_kernel<Bf16Matmul>(kBf16Kernels, false);
+    return reference ? kBf16Kernels[0] : fastest;
 }
+inline const char* bf16_kernel_name() { return bf16_kernel().name; }  // for the programs' banners
 
-template <int R, int NT>
-KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t y_stride, const float* x, std::size_t x_stride, const bf16* w,
-                                                   std::size_t cols) {  // y (NT, stride) at row 0, x (NT, in), w (R, in)
-    __m512 acc[R][NT];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-    const std::size_t full = full_chunks(cols);
-    std::size_t c = 0;
-    for (; c + 2 * kLanes <= full; c += 2 * kLanes) {  // a 64-byte line of each row: ask for the line 2 kB ahead too
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + std::size_t(r) * cols + c) + kPrefetchBytes, _MM_HINT_T0);
-        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
-        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c + kLanes);
-    }
-    if (c < full) bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-            float lanes[kLanes];
-            _mm512_storeu_ps(lanes, acc[r][t]);
-            const bf16* wr = w + std::size_t(r) * cols;
-            const float* xt = x + std::size_t(t) * x_stride;
-            y[std::size_t(t) * y_stride + std::size_t(r)] =
-                finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * xt[i]; });
-        }
-}
-
-// One row for every token: 8 at a time, then the rest together.
-KIMIK3_TARGET_AVX512 inline void bf16_tokens_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
-                                                    std::size_t cols) {
-    std::size_t t = 0;
-    for (; tokens - t >= 8; t += 8) bf16_block_avx512<1, 8>(y + t * ldy, ldy, x + t * cols, cols, w, cols);
-    switch (tokens - t) {
-        case 7: bf16_block_avx512<1, 7>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 6: bf16_block_avx512<1, 6>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 5: bf16_block_avx512<1, 5>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 4: bf16_block_avx512<1, 4>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 3: bf16_block_avx512<1, 3>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 2: bf16_block_avx512<1, 2>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 1: bf16_block_avx512<1, 1>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        default: break;
-    }
-}
-
-KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
-                                                   std::size_t cols, std::size_t r0, std::size_t r1) {
-    std::size_t r = r0;
-    if (tokens == 1)
-        for (; r1 - r >= 4; r += 4) bf16_block_avx512<4, 1>(y + r, ldy, x, cols, w + r * cols, cols);
-    for (; r < r1; ++r) bf16_tokens_avx512(y + r, ldy, x, w + r * cols, tokens, cols);
-}
-
-}  // namespace detail
-KIMIK3_AVX512_END
-#endif
-
-// Bit-identical to matmul_bf16_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
-inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
-                               std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    if (cpu_isa() < Isa::avx512) fail(ErrorKind::runtime, "matmul_bf16_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
-    if (ldy == 0) ldy = rows;
-#if KIMIK3_X86_KERNELS
-    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { detail::bf16_range_avx512(y, ldy, x, w, tokens, cols, r0, r1); });
-#else
-    (void)y, (void)x, (void)w, (void)tokens, (void)cols;
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------------
-// 4.4 Dispatch: the reference under KIMIK3_SCALAR, else AVX-512 where the CPU has it, else xsimd
-// ---------------------------------------------------------------------------------------------------
-inline void matmul_bf16_fast(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
-                             std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    isa_enabled(Isa::avx512) ? matmul_bf16_avx512(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_simd(y, x, w, tokens, rows, cols, ldy);
-}
-
-// The name of the kernel matmul_bf16 runs (for the programs' banners).
-inline const char* bf16_kernel_name() { return !use_simd ? "reference" : isa_enabled(Isa::avx512) ? "avx512" : simd::arch_name(); }
-
+// y = W x for T tokens (T = 1 is the matvec); bit-identical whichever kernel runs.
 inline void matmul_bf16(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
                         std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    use_simd ? matmul_bf16_fast(y, x, w, tokens, rows, cols, ldy) : matmul_bf16_ref(y, x, w, tokens, rows, cols, ldy);
+    bf16_kernel().fn(y, x, w, tokens, rows, cols, ldy == 0 ? rows : ldy);
 }
 
 inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t rows, std::size_t cols) {  // y (out), x (in), w (out, in)
@@ -374,20 +406,21 @@ inline void matmul_wide_simd(WeightType type, float* y, const float* x, const vo
     });
 }
 
-// One entry point per path for a matrix of any WeightType (bf16 goes to 4.1-4.4), and the dispatcher.
+// y = W x for a matrix of any WeightType: bf16 through the kernel 4.4 chose, F16/F32 through the above.
+// `reference` picks the reference kernels (the default follows KIMIK3_SCALAR); chapter 08 names both.
+inline void matmul_typed(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
+                         std::size_t cols, std::size_t ldy = 0, bool reference = !use_simd) {  // y (T, ldy), x (T, in), w (out, in)
+    if (ldy == 0) ldy = rows;
+    if (type == WeightType::bf16) return bf16_kernel(reference).fn(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
+    (reference ? matmul_wide_ref : matmul_wide_simd)(type, y, x, w, tokens, rows, cols, ldy);
+}
 inline void matmul_typed_ref(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
                              std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    if (type == WeightType::bf16) return matmul_bf16_ref(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
-    matmul_wide_ref(type, y, x, w, tokens, rows, cols, ldy);
+    matmul_typed(type, y, x, w, tokens, rows, cols, ldy, true);
 }
 inline void matmul_typed_simd(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
                               std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    if (type == WeightType::bf16) return matmul_bf16_fast(y, x, static_cast<const bf16*>(w), tokens, rows, cols, ldy);
-    matmul_wide_simd(type, y, x, w, tokens, rows, cols, ldy);
-}
-inline void matmul_typed(WeightType type, float* y, const float* x, const void* w, std::size_t tokens, std::size_t rows,
-                         std::size_t cols, std::size_t ldy = 0) {  // y (T, ldy), x (T, in), w (out, in)
-    use_simd ? matmul_typed_simd(type, y, x, w, tokens, rows, cols, ldy) : matmul_typed_ref(type, y, x, w, tokens, rows, cols, ldy);
+    matmul_typed(type, y, x, w, tokens, rows, cols, ldy, false);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -420,11 +453,16 @@ inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size
     w.stream->for_each_chunk(f);
 }
 
-// y = W x for T tokens, wherever W's rows live, whatever their WeightType.
+// y = W x for T tokens, wherever W's rows live, whatever their WeightType. The whole chain of a bf16
+// y = W x: linear -> matmul_typed -> the kernel 4.4 chose (e.g. matmul_bf16_avx512) -> its loop.
 inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
+    if (w.data) return matmul_typed(w.type, y, x, w.data, tokens, w.rows, w.cols);
     for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
         matmul_typed(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
     });
 }
 
 }  // namespace kimik3
+
+// The kernels written for one instruction set (AVX-512, NEON) live in the appendix, which includes this file.
+#include "04a_bf16_kernels.hpp"

@@ -60,7 +60,7 @@ std::string usage() {
     return u + "\nexit codes: 0 ok, 1 runtime failure, 2 usage error or refused config/checkpoint,\n"
                "            3 memory budget refused, 4 a weight read failed\n"
                "\nenvironment: KIMIK3_SCALAR=1 runs the reference kernels (the same bits, slowly);\n"
-               "             KIMIK3_ISA=xsimd|avx2|avx512 caps the kernels picked for this CPU;\n"
+               "             KIMIK3_ISA=xsimd|neon|avx2|avx512 caps the kernels picked for this CPU;\n"
                "             OMP_NUM_THREADS=N the default thread count\n";
 }
 

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "../chapters/00_numerics.hpp"
+#include "../chapters/00a_isa.hpp"
 #include "rng.hpp"
 
 #ifndef KIMIK3_SOURCE_DIR
@@ -33,16 +33,32 @@
 
 namespace kimik3::test {
 
-// Whether this machine runs the kernels for `isa` (chapter 00's 0.9). When it does not, the test of
-// `what` is skipped and says so, once per binary: a path the CPU lacks is never passed in silence.
-inline bool cpu_runs(Isa isa, const std::string& what) {
-    if (cpu_isa() >= isa) return true;
+// Skipped kernel checks. A test that loops over a kernel family checks every kernel this machine can
+// run; each one it cannot (an ISA the CPU lacks, or one this architecture cannot compile) is SKIPPED:
+// said with the reason, once per test case and kernel, and counted. tests/main.cpp owns the count and
+// prints it in the binary's closing line ("P passed, F failed, S skipped"), which tests/run.sh sums.
+int& skipped_count();              // (tests/main.cpp)
+const std::string& current_test(); // the running test case's name (tests/main.cpp)
+
+inline void skip(const std::string& what, const std::string& why) {
     static std::vector<std::string> said;
-    if (std::find(said.begin(), said.end(), what) == said.end()) {
-        said.push_back(what);
-        std::printf("skipped: %s: this machine cannot run %s kernels (CPU or build)\n", what.c_str(), isa_name(isa));
+    const std::string key = current_test() + "\n" + what;
+    if (std::find(said.begin(), said.end(), key) != said.end()) return;
+    said.push_back(key);
+    ++skipped_count();
+    std::printf("skipped: %s in \"%s\": %s\n", what.c_str(), current_test().c_str(), why.c_str());
+}
+
+// The fast kernels of a family (every entry after the reference) that this machine runs; the others
+// are skipped and counted (above).
+template <class Fn> std::vector<Kernel<Fn>> fast_kernels(std::span<const Kernel<Fn>> family, const char* family_name) {
+    std::vector<Kernel<Fn>> run;
+    for (std::size_t i = 1; i < family.size(); ++i) {
+        const std::string why = why_not_runnable(family[i]);
+        if (why.empty()) run.push_back(family[i]);
+        else skip(std::string("the ") + family[i].name + " " + family_name + " kernel", why);
     }
-    return false;
+    return run;
 }
 
 // Path of a file under the repository root, so tests run from any working directory.

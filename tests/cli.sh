@@ -59,7 +59,7 @@ expect "run: --prompt goes through the tokenizer and chat format" 0 "plan for a 
 expect "run: the report names the kernels in use" 0 "kernels: bf16 [a-z0-9]+, MXFP4 [a-z0-9]+, [0-9]+ threads \(this CPU runs" "$bin" run fixtures/tiny-k3 --ids 1,2,3 --gen 2
 expect "run: every KIMIK3_ISA cap gives the reference's greedy tokens" 0 "^$greedy" env KIMIK3_ISA=xsimd "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --quiet
 expect "run: KIMIK3_ISA=avx2 gives the same tokens" 0 "^$greedy" env KIMIK3_ISA=avx2 "$bin" run fixtures/tiny-k3 --ids $prompt --gen 20 --quiet
-expect "a bad KIMIK3_ISA is refused naming it, exit 2" 2 "KIMIK3_ISA=avx1024: expected xsimd, avx2 or avx512" env KIMIK3_ISA=avx1024 "$bin" run fixtures/tiny-k3 --ids 1 --gen 1
+expect "a bad KIMIK3_ISA is refused naming it, exit 2" 2 "KIMIK3_ISA=avx1024: expected xsimd, neon, avx2 or avx512" env KIMIK3_ISA=avx1024 "$bin" run fixtures/tiny-k3 --ids 1 --gen 1
 expect "run: no input" 2 "give exactly one of --ids, --prompt, --prompt-file" "$bin" run fixtures/tiny-k3
 expect "run: two inputs" 2 "give exactly one of" "$bin" run fixtures/tiny-k3 --ids 1 --prompt x
 expect "run: an id outside the vocabulary" 2 "token id 999 is outside the vocabulary \(512\)" "$bin" run fixtures/tiny-k3 --ids 1,999

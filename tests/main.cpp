@@ -1,17 +1,33 @@
 // The one main() shared by every chapter's test binary.
 //
 // doctest runs the cases; a listener prints one machine-readable line at the end of the run,
-// "kimik3-tests: <binary> P passed, F failed", which tests/run.sh adds up across chapters into the
-// final "N passed, N failed" line of `make test`. A binary that crashes prints no such line, and the
-// runner counts it as a failure, so a segfault can never look like a pass.
+// "kimik3-tests: <binary> P passed, F failed, S skipped", which tests/run.sh adds up across chapters
+// into the final "N passed, N failed, N skipped" line of `make test`. S counts the kernel checks this
+// machine cannot run (tests/check.hpp's test::skip: a kernel for an instruction set the CPU lacks or
+// the architecture cannot compile, once per test case and kernel) and any test case doctest skipped.
+// A binary that crashes prints no such line, and the runner counts it as a failure, so a segfault can
+// never look like a pass.
 //
 // It also makes parallel_rows split every job, however small (see main()).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <string>
 
-#include "../chapters/00_numerics.hpp"
+#include "../chapters/00a_isa.hpp"
+
+namespace kimik3::test {
+int& skipped_count() {
+    static int n = 0;
+    return n;
+}
+std::string& current_test_name() {
+    static std::string name;
+    return name;
+}
+const std::string& current_test() { return current_test_name(); }
+}  // namespace kimik3::test
 
 namespace {
 struct CountingListener : doctest::IReporter {
@@ -21,11 +37,11 @@ struct CountingListener : doctest::IReporter {
     void test_run_end(const doctest::TestRunStats& s) override {
         if (opts_.no_run) return;
         const unsigned ran = s.numTestCasesPassingFilters;
-        std::printf("kimik3-tests: %s %u passed, %u failed\n", opts_.binary_name.c_str(),
-                    ran - s.numTestCasesFailed, s.numTestCasesFailed);
+        std::printf("kimik3-tests: %s %u passed, %u failed, %d skipped\n", opts_.binary_name.c_str(),
+                    ran - s.numTestCasesFailed, s.numTestCasesFailed, kimik3::test::skipped_count());
         std::fflush(stdout);
     }
-    void test_case_start(const doctest::TestCaseData&) override {}
+    void test_case_start(const doctest::TestCaseData& tc) override { kimik3::test::current_test_name() = tc.m_name; }
     void test_case_reenter(const doctest::TestCaseData&) override {}
     void test_case_end(const doctest::CurrentTestCaseStats&) override {}
     void test_case_exception(const doctest::TestCaseException&) override {}
@@ -33,7 +49,11 @@ struct CountingListener : doctest::IReporter {
     void subcase_end() override {}
     void log_assert(const doctest::AssertData&) override {}
     void log_message(const doctest::MessageData&) override {}
-    void test_case_skipped(const doctest::TestCaseData&) override {}
+    void test_case_skipped(const doctest::TestCaseData& tc) override {
+        if (!tc.m_skip) return;  // filtered out by the command line: not a skip
+        ++kimik3::test::skipped_count();
+        std::printf("skipped: \"%s\" (doctest::skip)\n", tc.m_name);
+    }
 
   private:
     const doctest::ContextOptions& opts_;

@@ -33,13 +33,8 @@ TEST_CASE("4.2 the even/odd register layout is a permutation of the 16 lanes") {
 }
 
 namespace {
-// The fast paths this machine runs: xsimd always, AVX-512 where the CPU has it (else skipped, and said).
-using Bf16Fn = void (*)(float*, const float*, const bf16*, std::size_t, std::size_t, std::size_t, std::size_t);
-std::vector<std::pair<const char*, Bf16Fn>> fast_paths() {
-    std::vector<std::pair<const char*, Bf16Fn>> p = {{"simd", matmul_bf16_simd}};
-    if (test::cpu_runs(Isa::avx512, "the AVX-512 bf16 kernel (4.3)")) p.push_back({"avx512", matmul_bf16_avx512});
-    return p;
-}
+// The fast kernels this machine runs (4.4's table after the reference); the others are counted as skipped.
+std::vector<Kernel<Bf16Matmul>> fast_paths() { return test::fast_kernels<Bf16Matmul>(kBf16Kernels, "bf16"); }
 }  // namespace
 
 TEST_CASE("4.3 every fast path is bit-identical to the reference for every shape, T, and planted values") {
@@ -56,8 +51,8 @@ TEST_CASE("4.3 every fast path is bit-identical to the reference for every shape
                 std::vector<float> a(tokens * rows), b(tokens * rows);
                 matmul_bf16_ref(a.data(), x.data(), w.data(), tokens, rows, cols);
                 for (const auto& path : fast_paths()) {
-                    const char* name = path.first;  // (clang 14 cannot capture structured bindings)
-                    path.second(b.data(), x.data(), w.data(), tokens, rows, cols, 0);
+                    const char* name = path.name;  // (clang 14 cannot capture structured bindings)
+                    path.fn(b.data(), x.data(), w.data(), tokens, rows, cols, 0);
                     CAPTURE(name);
                     CAPTURE(rows);
                     CAPTURE(cols);
@@ -97,12 +92,12 @@ TEST_CASE("4.3 one thread and two threads give the same bits") {
     CHECK_BITS_EQ(b, a);
     CHECK_BITS_EQ(d, c);
     for (const auto& path : fast_paths()) {
-        const char* name = path.first;
+        const char* name = path.name;
         CAPTURE(name);
         for (int threads : {1, 2}) {
             set_threads(threads);
-            path.second(b.data(), x.data(), w.data(), 3, rows, cols, 0);
-            path.second(d.data(), x.data(), w.data(), 1, rows, cols, 0);
+            path.fn(b.data(), x.data(), w.data(), 3, rows, cols, 0);
+            path.fn(d.data(), x.data(), w.data(), 1, rows, cols, 0);
             CHECK_BITS_EQ(b, a);
             CHECK_BITS_EQ(d, c);
         }
@@ -131,11 +126,11 @@ TEST_CASE("4.4 an input width off the 16 lanes (24) worked by hand: columns 16..
     x[0] = x[16] = 0x1p20f, x[1] = x[17] = 1.0f;
     x[24] = 0x1p24f, x[24 + 16] = 1.0f, x[24 + 8] = 1.0f;
     auto kernels = fast_paths();
-    kernels.push_back({"ref", matmul_bf16_ref});
+    kernels.push_back(kBf16Kernels[0]);  // the reference
     for (const auto& path : kernels) {
-        const char* name = path.first;
+        const char* name = path.name;
         CAPTURE(name);
-        path.second(y.data(), x.data(), w.data(), 2, 1, 24, 1);  // token 0 and token 1 (x rows of 24)
+        path.fn(y.data(), x.data(), w.data(), 2, 1, 24, 1);  // token 0 and token 1 (x rows of 24)
         CHECK(y[0] == 0x1p21f + 2.0f);
         CHECK(y[1] == 0x1p24f);
     }

@@ -7,15 +7,9 @@ using namespace kimik3;
 
 namespace {
 
-// The fast paths this machine runs, by name: xsimd always, AVX2 and AVX-512 where the CPU has them
-// (the others are skipped, and the reason printed).
-using MatmulFn = void (*)(float*, const float*, const std::uint8_t*, const std::uint8_t*, std::size_t, std::size_t, std::size_t);
-std::vector<std::pair<const char*, MatmulFn>> fast_paths() {
-    std::vector<std::pair<const char*, MatmulFn>> p = {{"simd", matmul_mxfp4_simd}};
-    if (test::cpu_runs(Isa::avx2, "the AVX2 MXFP4 kernel (5.6)")) p.push_back({"avx2", matmul_mxfp4_avx2});
-    if (test::cpu_runs(Isa::avx512, "the AVX-512 MXFP4 kernel (5.7)")) p.push_back({"avx512", matmul_mxfp4_avx512});
-    return p;
-}
+// The fast kernels this machine runs (5.8's table after the reference); the others are counted as skipped.
+std::vector<Kernel<Mxfp4Matmul>> fast_paths() { return test::fast_kernels<Mxfp4Matmul>(kMxfp4Kernels, "MXFP4"); }
+using MatmulFn = Mxfp4Matmul;
 
 // Packs codes[r][c] (0..15) into compressed-tensors bytes: column 2j -> low nibble of byte j.
 std::vector<std::uint8_t> pack(const std::vector<int>& codes, std::size_t rows, std::size_t cols) {
@@ -70,8 +64,8 @@ TEST_CASE("5.2 all 16 codes x all 255 valid scales decode exactly, in the refere
             matmul_mxfp4_ref(ref.data(), x.data(), packed.data(), &scale, 1, 1, 32);
             REQUIRE(double(ref[0]) == double(kE2M1[std::size_t(c % 16)]) * std::ldexp(1.0, s - 127));
             for (const auto& path : fast_paths()) {
-                const char* name = path.first;  // (clang 14 cannot capture structured bindings)
-                const MatmulFn fn = path.second;
+                const char* name = path.name;  // (clang 14 cannot capture structured bindings)
+                const MatmulFn fn = path.fn;
                 fn(got.data(), x.data(), packed.data(), &scale, 1, 1, 32);
                 CAPTURE(name);
                 CAPTURE(s);
@@ -94,8 +88,8 @@ TEST_CASE("5.3 hand-worked 2x32: low nibble = even column, and a swapped order w
     CHECK(y[0] == 14.0f);   // 2*1 + 12*1
     CHECK(y[1] == -4.0f);   // -0.5*4 + -0.25*8; the swapped nibble order would give -0.25*4 + -0.5*8 = -5
     for (const auto& path : fast_paths()) {
-        const char* name = path.first;  // (clang 14 cannot capture structured bindings)
-        const MatmulFn fn = path.second;
+        const char* name = path.name;  // (clang 14 cannot capture structured bindings)
+        const MatmulFn fn = path.fn;
         fn(y.data(), x.data(), packed.data(), scales.data(), 1, 2, 32);
         CAPTURE(name);
         CHECK(y[0] == 14.0f);
@@ -143,8 +137,8 @@ TEST_CASE("5.5-5.7 every fast path is bit-identical to the reference over shapes
                 std::vector<float> ref(tokens * rows), got(tokens * rows);
                 matmul_mxfp4_ref(ref.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
                 for (const auto& path : fast_paths()) {
-                    const char* name = path.first;  // (clang 14 cannot capture structured bindings)
-                    const MatmulFn fn = path.second;
+                    const char* name = path.name;  // (clang 14 cannot capture structured bindings)
+                    const MatmulFn fn = path.fn;
                     fn(got.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
                     CAPTURE(name);
                     CAPTURE(rows);
@@ -175,8 +169,8 @@ TEST_CASE("5.8 one thread and two threads give the same bits on every path; T to
         CHECK_BITS_EQ(std::span<const float>(a.data() + t * rows, rows), one);
     }
     for (const auto& path : fast_paths()) {
-        const char* name = path.first;
-        const MatmulFn fn = path.second;
+        const char* name = path.name;
+        const MatmulFn fn = path.fn;
         CAPTURE(name);
         for (int threads : {1, 2}) {
             set_threads(threads);
@@ -187,18 +181,30 @@ TEST_CASE("5.8 one thread and two threads give the same bits on every path; T to
 }
 
 TEST_CASE("5.8 the dispatcher names the kernel it runs, and never one this CPU lacks") {
-    const std::string name = mxfp4_kernel_name();
-    if (!use_simd) CHECK(name == "reference");
-    else if (name == "avx512") CHECK(cpu_isa() >= Isa::avx512);
-    else if (name == "avx2") CHECK(cpu_isa() >= Isa::avx2);
-    else CHECK(name == "xsimd");
-    CHECK(kernel_isa() <= cpu_isa());
-    if (cpu_isa() < Isa::avx512) {
-        std::vector<std::uint8_t> p(16), s(1, 127);
-        std::vector<float> x(32), y(1);
-        CHECK_THROWS_WITH_AS(matmul_mxfp4_avx512(y.data(), x.data(), p.data(), s.data(), 1, 1, 32),
-                             "matmul_mxfp4_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)", Error);
+    const Kernel<Mxfp4Matmul>& k = mxfp4_kernel();
+    CHECK(std::string(mxfp4_kernel_name()) == k.name);
+    if (!use_simd) CHECK(std::string(k.name) == "reference");
+    else {
+        CHECK((k.fn != nullptr));
+        CHECK(isa_enabled(k.isa));
+        bool after = false;  // no later (wider) entry of the table is one this machine could run
+        for (const auto& e : kMxfp4Kernels) {
+            if (after) CHECK_FALSE((e.fn != nullptr && isa_enabled(e.isa) && (e.preferred == nullptr || e.preferred())));
+            after = after || &e == &k;
+        }
     }
+    CHECK(kernel_isa() <= cpu_isa());
+    // The one CPU-dependent choice: the 8-row AVX-512 kernel on AMD family 26 (Zen 5), the 4-row one elsewhere.
+    const bool zen5_choice = use_simd && isa_enabled(Isa::avx512) && cpu_amd_family() == 26;
+    CHECK((std::string(k.name) == "avx512_zen5") == zen5_choice);
+    // A kernel compiled in for an instruction set this CPU lacks refuses to run, naming itself.
+    std::vector<std::uint8_t> p(16), s(1, 127);
+    std::vector<float> x(32), y(1);
+    for (const auto& e : kMxfp4Kernels)
+        if (e.fn != nullptr && !cpu_has(e.isa)) {
+            const std::string msg = test::error_of([&] { e.fn(y.data(), x.data(), p.data(), s.data(), 1, 1, 32); });
+            CHECK(msg.find(std::string("matmul_mxfp4_") + e.name + ": this CPU has no") == 0);
+        }
 }
 
 TEST_CASE("5.7 matvec_mxfp4 agrees with the float64 reference within 1e-6 relative; dequantization is exact") {

@@ -370,7 +370,7 @@ inline int cmd_run(std::vector<std::string> args) {
     const std::uint64_t rss = peak_rss_bytes();
     const double blocked = io.trunk_wait + io.expert_wait;
     std::fprintf(stderr, "report\n  model %s\n", model_summary(model, dir).c_str());
-    std::fprintf(stderr, "  kernels: bf16 %s, MXFP4 %s, %d threads (this CPU runs %s; KIMIK3_ISA=xsimd|avx2|avx512 caps the choice)\n",
+    std::fprintf(stderr, "  kernels: bf16 %s, MXFP4 %s, %d threads (this CPU runs %s; KIMIK3_ISA=xsimd|neon|avx2|avx512 caps the choice)\n",
                  bf16_kernel_name(), mxfp4_kernel_name(), max_threads(), isa_name(cpu_isa()));
     if (!teacher_forcing) {
         if (stop_token >= 0)
