@@ -66,11 +66,11 @@ int main() {
         // verify [truth[0], truth[1], truth[2], wrong, truth[4]] in one step
         Session s(model.config, 64);
         std::vector<float> last(V);
-        forward(last.data(), model, s, prompt.data(), prompt.size(), false);
+        forward(last.data(), model, s, prompt);
         const Ids step = {truth[0], truth[1], truth[2], (truth[3] + 1) % std::int64_t(V), truth[4]};
         std::vector<float> rows(step.size() * V);
         TentativeKda tentative;
-        forward(rows.data(), model, s, step.data(), step.size(), true, nullptr, &tentative);
+        forward(rows.data(), model, s, step, {.rows = Rows::all, .tentative = &tentative});
         std::printf("  fed in one step: %s (the 4th is a wrong draft)\n  the model's choice after each:", join(step).c_str());
         std::size_t kept = 0;
         for (std::size_t i = 0; i < step.size(); ++i) {
@@ -85,8 +85,8 @@ int main() {
         std::printf("\n16.3 rollback to the %zu kept tokens (MLA caches truncate, KDA states replay kept inputs)\n", kept);
         keep_tokens(model, s, tentative, kept);
         Session ref(model.config, 64);
-        forward(last.data(), model, ref, prompt.data(), prompt.size(), false);
-        for (std::size_t i = 0; i < kept; ++i) forward(last.data(), model, ref, &step[i], 1, false);
+        forward(last.data(), model, ref, prompt);
+        for (std::size_t i = 0; i < kept; ++i) forward(last.data(), model, ref, {&step[i], 1});
         std::printf("  the session = one that fed only those tokens, one per step: %s\n", same_session(s, ref) ? "bit-identical" : "DIFFERENT");
 
         std::printf("\n16.4 speculative generation: 20 tokens after the prompt, --speculate 4, at the floor\n");

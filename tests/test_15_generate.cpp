@@ -325,7 +325,7 @@ TEST_CASE("15.7 a chat turn feeds only the new tokens, and equals recomputing th
     const std::size_t second_turn_first = after_one + (c.session.tokens.size() - after_one) - (carried.size() / V - 1);
     history.resize(second_turn_first);
     std::vector<float> last(V);
-    for (std::size_t t0 = 0; t0 < history.size(); t0 += 32) forward(last.data(), t.model, fresh, &history[t0], std::min<std::size_t>(32, history.size() - t0), false);
+    for (std::size_t t0 = 0; t0 < history.size(); t0 += 32) forward(last.data(), t.model, fresh, {&history[t0], std::min<std::size_t>(32, history.size() - t0)});
     CHECK_BITS_EQ(last, std::span<const float>(carried.data(), V));
 }
 

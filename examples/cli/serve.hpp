@@ -332,12 +332,13 @@ class Engine {
             IoSnapshot before = io_snapshot(model_);
             auto t_step = std::chrono::steady_clock::now();
             for (std::size_t t0 = 0; t0 < fresh.size(); t0 += 32)
-                forward(last.data(), model_, live_, &fresh[t0], std::min<std::size_t>(32, fresh.size() - t0), false, rp);
+                forward(last.data(), model_, live_, {&fresh[t0], std::min<std::size_t>(32, fresh.size() - t0)}, {.record = rp});
             const double prefill = seconds_since(t_step);
             if (mark_enabled_) mark_ = Mark{live_.tokens, live_.kda};
             SamplingParams sp = q.sampling;  // the token at position p draws output p of the seed's stream (chapter 15)
             sp.seed = q.seed;
             ReplyReader reader(tok_, q.chat, q.thinking);
+            Utf8Stream raw;  // each token's own text, markup included (the page shows it)
             StopMatcher stop(q.stop);
             std::size_t drawn = 0, fed = fresh.size();
             std::string finish = "length";
@@ -350,7 +351,7 @@ class Engine {
                 e.id = id;
                 const std::uint32_t u = std::uint32_t(id);
                 const bool is_stop = !q.ignore_eos && stops_.contains(u);
-                e.piece = reader.piece(u);
+                e.piece = raw.push(u < tok_.vocab_size() ? std::string(tok_.token_bytes(u)) : std::string());
                 if (!is_stop) {
                     ReplyReader::Delta d = reader.push(u);
                     e.content = stop.push(d.content);
@@ -371,7 +372,7 @@ class Engine {
                 if (drawn == q.max_tokens || job.cancelled) break;
                 before = io_snapshot(model_);
                 t_step = std::chrono::steady_clock::now();
-                forward(last.data(), model_, live_, &id, 1, false, rp);
+                forward(last.data(), model_, live_, {&id, 1}, {.record = rp});
                 fed = 1;
             }
             if (job.cancelled && finish != "stop" && drawn < q.max_tokens)
