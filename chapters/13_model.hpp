@@ -7,20 +7,25 @@
 //   final norm and lm_head. The forward step takes T tokens at once (a prompt chunk) or one (decode),
 //   and gives each token exactly the bits it would get alone; the memory plan (chapter 12) and the
 //   expert provider (chapters 10, 11) decide only where weights come from. New since chapter 12: the
-//   session (every layer's carried state) and the three ways to run a sequence: teacher forcing,
-//   greedy generation, and incremental decode checked against full recompute.
+//   session (every layer's carried state), teacher forcing, and the one decode loop that every
+//   generation in the repository runs (greedy here; sampled in chapter 15; with guessed tokens verified
+//   in one step in chapter 16; kimik3 run, chat and serve), checked against full recompute.
 //
 // WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.1-3.9)
 //   Per token: 1 embedding row (14 kB), 108.8 GB of trunk, 16 x 92 experts (25.8 GB), 2.35 GB lm_head
-//   when nothing is resident; the carried state is 434 MB of KDA matrices plus 24 x 576 floats of latent
-//   MLA cache per position.
+//   when nothing is resident; the carried state is 69 KDA layers x (96 x 128 x 128 f32 S = 6.29 MB, plus
+//   the short convolutions' history: the last 3 inputs of q, k and v, 442 kB) = 465 MB, and 24 x 576
+//   floats of latent MLA cache per position.
 //
 // CONCEPTS
-//   session       the per-sequence state: one KdaState per KDA layer, one MlaCache per MLA layer, and the
-//                 number of positions processed. AttnRes keeps nothing across tokens.
-//   step          one forward call over T new tokens at the end of the session.
+//   session       the per-sequence state: one KdaState per KDA layer (the recurrent matrix S of every head
+//                 and the short convolutions' last kernel - 1 inputs), one MlaCache per MLA layer, and the
+//                 tokens processed. AttnRes keeps nothing across tokens.
+//   step          one forward call over T new tokens at the end of the session; what it writes besides
+//                 logits and the session (a record, timings) only when asked, through StepOptions.
 //   teacher forcing  run a given sequence and read every position's logits.
-//   incremental   prefill the prompt, then one token per step, carrying the session.
+//   incremental   prefill the prompt (chunks of kPrefillChunk = 32), then one token per step, carrying the
+//                 session: decode (13.4), whose hooks are all that differ between its callers.
 //   recompute     for every generated token, a fresh session over the whole sequence so far: slower,
 //                 and by construction bit-identical to incremental (a test, and a run option).
 //
@@ -38,8 +43,8 @@
 // RUN      make run-13 (this example; make run runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
-//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step
-//   13.4 teacher forcing, greedy, incremental and recompute
+//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step (and keeping
+//   part of a tentative one)     13.4 teacher forcing, and the decode loop: greedy, incremental, recompute
 // ====================================================================================================
 #pragma once
 

@@ -7,9 +7,11 @@
 //   format (structural special tokens wrapping ordinary-text tags), segment-wise tokenization, stop
 //   tokens, and sampling (greedy, temperature, top-k, top-p) from a seeded generator whose every
 //   rounding step is pinned, so a seed gives the same tokens on every machine and thread count.
-//   Then the model-driven half: a session continued token by token (15.6), one chat turn that feeds
-//   only the new tokens and stops on either stop token (15.7), and sessions saved to and loaded from a
-//   versioned file, so a conversation resumes in a fresh process with bit-identical logits (15.8).
+//   Then the model-driven half: a session continued token by token (15.6: chapter 13's decode loop with
+//   this chapter's sampler), one chat turn that feeds only the new tokens, stops on either stop token and
+//   shows only the reply's text, never its markup (15.7; the reader is chapters/15a_reply.hpp), and
+//   sessions saved to and loaded from a versioned file, so a conversation resumes in a fresh process
+//   with bit-identical logits (15.8).
 //
 // WHERE THIS SITS IN KIMI K3
 //   The checkpoint renders chats in Python (encoding_k3.py). A user turn is
@@ -23,7 +25,8 @@
 //   segment     a run of the rendered chat that is either one structural special or one text string.
 //   tag         the text between <|open|> (or <|close|>) and <|sep|>: a name plus attributes k="v".
 //   logits      the model's unnormalised scores, one per id (V).
-//   temperature logits are divided by T before the softmax; T -> 0 is greedy.
+//   temperature logits are divided by T before the softmax; T <= 0 means greedy (the argmax, no draw),
+//               the limit of T -> 0.
 //   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
 //
 // THE XTML LAYOUT (docs/kimi-k3.md section 4; "[x]" is a special id, everything else BPE-encoded text)
@@ -76,8 +79,10 @@
 //      is any count that does not fit the model, the context or the file's length (checked before
 //      anything is allocated), an id outside the vocabulary, a non-finite state, or trailing bytes.
 //
-// USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, forward), chapter 00 (hsum16, Error).
-// RUN      make run-15    (renders a short chat; samples the tiny K3 at two temperatures)
+// USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, decode), chapter 00 (hsum16, Error);
+//          its appendix chapters/15a_reply.hpp (ReplyReader: a reply's text by token id).
+// RUN      make run-15    (renders a short chat; the little K3 in a conversation, then one question
+//                         answered greedily and sampled at two temperatures, 0.7 and 1.0)
 // TEST     make test-15   (hand-written XTML token sequences; a hand-worked sampling case; sessions)
 //
 // SECTIONS
