@@ -13,7 +13,8 @@
 #include "chapters/10_moe.hpp"          // the router, the latent MoE, the combine order, expert providers
 #include "chapters/11_expert_cache.hpp" // experts read in place (O_DIRECT), a slot cache, traces, the simulator
 #include "chapters/12_trunk_stream.hpp" // the trunk at any budget: the plan, pinned layers, a ring of row chunks
-#include "chapters/13_model.hpp"        // the whole model: sessions, forward steps, teacher forcing, generation
+#include "chapters/13_model.hpp"        // the whole model: sessions, forward steps, teacher forcing, the one decode loop
 #include "chapters/14_tokenizer.hpp"    // tiktoken BPE: K3's pre-tokenizer as a scanner, merges, streaming UTF-8
+#include "chapters/15a_reply.hpp"       // appendix: a reply's text by token id, never its markup
 #include "chapters/15_generate.hpp"     // the XTML chat format, stop tokens, seeded sampling
 #include "chapters/16_speculative.hpp"  // drafts from the sequence itself, verified in one step, rolled back exactly
