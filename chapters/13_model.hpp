@@ -40,7 +40,8 @@
 //          modeling_kimi_linear.py. Exactness is checked against tools/k3_reference.py (float64 PyTorch,
 //          fixtures/tiny-k3/reference). docs/sources.md 13.
 // USES     chapters 02, 06-12
-// RUN      make run-13 (this example; make run runs the CLI)     TEST   make test-13 (the exactness gates)
+// RUN      make run-13 (the little K3 against its float64 reference, then a greedy continuation; make run
+//          runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
 //   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step (and keeping
@@ -365,13 +366,13 @@ struct DecodeStep {            // what one forward step did (the fresh tokens co
     std::size_t yielded = 0;   // tokens this step added to the output (accepted + 1, less at a stop)
 };
 struct DecodeHooks {
-    std::function<bool(std::int64_t id)> token{};          // each token as it is chosen (stream it); false ends the turn
-    std::function<void(const DecodeStep&)> step{};         // after each forward step, the fresh tokens' first
-    std::function<bool()> cancelled{};                     // asked before each decode step; true ends the turn
-    std::function<std::vector<std::int64_t>(std::span<const std::int64_t> seq, std::size_t room)> draft{};  // up to room guesses after seq
-    StepRecord* record = nullptr;                        // given to every forward step
-    StepTimes* times = nullptr;                          // given to every forward step
-    std::vector<float>* logits = nullptr;                // appended: (drawn, V), the row each token was chosen from
+    std::function<bool(std::int64_t id)> token{};   // each token as it is chosen (stream it); false ends the turn
+    std::function<void(const DecodeStep&)> step{};  // after each forward step, the fresh tokens' first
+    std::function<bool()> cancelled{};              // asked before each decode step; true ends the turn
+    std::function<std::vector<std::int64_t>(std::span<const std::int64_t> seq, std::size_t room)> draft{};  // <= room guesses after seq
+    StepRecord* record = nullptr;                   // given to every forward step
+    StepTimes* times = nullptr;                     // given to every forward step
+    std::vector<float>* logits = nullptr;           // appended: (drawn, V), the row each token was chosen from
 };
 struct DecodeLimits {
     std::size_t max_new = 0;             // tokens to choose at most
@@ -379,9 +380,10 @@ struct DecodeLimits {
     bool recompute = false;              // each token from a fresh session over the whole sequence (the check)
 };
 
-// Returns the chosen tokens in order; the last one, and a stop token, is never fed (a chat turn feeds
-// it first next time). The session then holds the fresh tokens and every chosen token but the last.
-// (One sequence per step here; a batch of sequences would share each step's read of the weights.)
+// Returns the chosen tokens in order. The last one (a stop token, or the max_new-th) is never fed: a
+// chat turn feeds it first next time. The session then holds the fresh tokens and every chosen token
+// but the last. (One sequence per step here; several sequences, each with its own session and hooks,
+// could share each step's read of the weights: the rows of a step are independent.)
 inline std::vector<std::int64_t> decode(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim,
                                         const Chooser& choose, const DecodeHooks& h = {}) {
     const std::size_t V = std::size_t(model.config.vocab_size);
