@@ -383,7 +383,7 @@ struct DecodeLimits {
 // Returns the chosen tokens in order. The last one (a stop token, or the max_new-th) is never fed: a
 // chat turn feeds it first next time. The session then holds the fresh tokens and every chosen token
 // but the last. (One sequence per step here; several sequences, each with its own session and hooks,
-// could share each step's read of the weights: the rows of a step are independent.)
+// could share each step's read of the weights, since a step gives each token the bits it gets alone.)
 inline std::vector<std::int64_t> decode(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim,
                                         const Chooser& choose, const DecodeHooks& h = {}) {
     const std::size_t V = std::size_t(model.config.vocab_size);
