@@ -398,9 +398,9 @@ int bench_verify_cost(const std::string& dir, const std::vector<std::size_t>& si
     Ids prompt(8);
     for (auto& t : prompt) t = token();
     std::vector<float> logits(most * V);
-    forward(logits.data(), m, s, prompt.data(), prompt.size(), false);
+    forward(logits.data(), m, s, prompt);
     std::int64_t last = token();
-    for (int w = 0; w < 2; ++w) forward(logits.data(), m, s, &last, 1, false);  // warm the ring's schedule
+    for (int w = 0; w < 2; ++w) forward(logits.data(), m, s, {&last, 1});  // warm the ring's schedule
     TentativeKda tentative;
     std::map<std::size_t, StepCost> cost;
     for (std::size_t T : sizes) {
@@ -412,9 +412,10 @@ int bench_verify_cost(const std::string& dir, const std::vector<std::size_t>& si
             const Counters c0 = counters(m);
             const std::uint64_t req0 = m.experts() ? m.experts()->experts_requested : 0;
             const double t0 = bench::now_seconds();
-            forward(logits.data(), m, s, step.data(), T, true, nullptr, T > 1 ? &tentative : nullptr);
+            StepTimes times;
+            forward(logits.data(), m, s, step, {.rows = Rows::all, .tentative = T > 1 ? &tentative : nullptr, .times = &times});
             StepCost sc;
-            sc.layers = m.layer_seconds, sc.head = m.head_seconds;
+            sc.layers = times.layers, sc.head = times.head;
             const double t1 = bench::now_seconds();
             if (T > 1) keep_tokens(m, s, tentative, 1);
             sc.replay = bench::now_seconds() - t1;

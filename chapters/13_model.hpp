@@ -7,20 +7,25 @@
 //   final norm and lm_head. The forward step takes T tokens at once (a prompt chunk) or one (decode),
 //   and gives each token exactly the bits it would get alone; the memory plan (chapter 12) and the
 //   expert provider (chapters 10, 11) decide only where weights come from. New since chapter 12: the
-//   session (every layer's carried state) and the three ways to run a sequence: teacher forcing,
-//   greedy generation, and incremental decode checked against full recompute.
+//   session (every layer's carried state), teacher forcing, and the one decode loop that every
+//   generation in the repository runs (greedy here; sampled in chapter 15; with guessed tokens verified
+//   in one step in chapter 16; kimik3 run, chat and serve), checked against full recompute.
 //
 // WHERE THIS SITS IN KIMI K3 (docs/kimi-k3.md 3.1-3.9)
 //   Per token: 1 embedding row (14 kB), 108.8 GB of trunk, 16 x 92 experts (25.8 GB), 2.35 GB lm_head
-//   when nothing is resident; the carried state is 434 MB of KDA matrices plus 24 x 576 floats of latent
-//   MLA cache per position.
+//   when nothing is resident; the carried state is 69 KDA layers x (96 x 128 x 128 f32 S = 6.29 MB, plus
+//   the short convolutions' history: the last 3 inputs of q, k and v, 442 kB) = 465 MB, and 24 x 576
+//   floats of latent MLA cache per position.
 //
 // CONCEPTS
-//   session       the per-sequence state: one KdaState per KDA layer, one MlaCache per MLA layer, and the
-//                 number of positions processed. AttnRes keeps nothing across tokens.
-//   step          one forward call over T new tokens at the end of the session.
+//   session       the per-sequence state: one KdaState per KDA layer (the recurrent matrix S of every head
+//                 and the short convolutions' last kernel - 1 inputs), one MlaCache per MLA layer, and the
+//                 tokens processed. AttnRes keeps nothing across tokens.
+//   step          one forward call over T new tokens at the end of the session; what it writes besides
+//                 logits and the session (a record, timings) only when asked, through StepOptions.
 //   teacher forcing  run a given sequence and read every position's logits.
-//   incremental   prefill the prompt, then one token per step, carrying the session.
+//   incremental   prefill the prompt (chunks of kPrefillChunk = 32), then one token per step, carrying the
+//                 session: decode (13.4), whose hooks are all that differ between its callers.
 //   recompute     for every generated token, a fresh session over the whole sequence so far: slower,
 //                 and by construction bit-identical to incremental (a test, and a run option).
 //
@@ -35,17 +40,19 @@
 //          modeling_kimi_linear.py. Exactness is checked against tools/k3_reference.py (float64 PyTorch,
 //          fixtures/tiny-k3/reference). docs/sources.md 13.
 // USES     chapters 02, 06-12
-// RUN      make run-13 (this example; make run runs the CLI)     TEST   make test-13 (the exactness gates)
+// RUN      make run-13 (the little K3 against its float64 reference, then a greedy continuation; make run
+//          runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
-//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step
-//   13.4 teacher forcing, greedy, incremental and recompute
+//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step (and keeping
+//   part of a tentative one)     13.4 teacher forcing, and the decode loop: greedy, incremental, recompute
 // ====================================================================================================
 #pragma once
 
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <span>
 #include <optional>
@@ -104,11 +111,6 @@ class Model {
     TrunkWeights& trunk() { return *trunk_; }
     ExpertCache* experts() { return experts_.get(); }
 
-    // Wall seconds of the last forward step, per layer, and for the embedding + final mix + lm_head
-    // (benchmarks split a token's time by layer kind with these; nothing reads them to compute).
-    std::vector<double> layer_seconds;
-    double head_seconds = 0;
-
   private:
     std::optional<TrunkLayout> trunk_layout_;
     std::unique_ptr<TrunkWeights> trunk_;
@@ -147,8 +149,12 @@ struct Session {
 // ---------------------------------------------------------------------------------------------------
 // 13.3 One forward step: T new tokens through the whole model (docs/kimi-k3.md 3.9)
 // ---------------------------------------------------------------------------------------------------
-// What one step chose, for programs that show the model at work (kimik3 serve's page). Optional: forward
-// fills it only when given one, and nothing reads it to compute, so it cannot change a bit.
+// The prompt tokens one forward step takes at most, wherever a caller does not choose (`run --chunk`
+// does): long enough that a chunk reads each trunk matrix once for many tokens, short enough that its
+// (T, D) activations stay small. The logits do not depend on it (a step of T tokens = T steps of one).
+inline constexpr std::size_t kPrefillChunk = 32;
+
+// What one step chose, for programs that show the model at work (kimik3 serve's page).
 struct StepRecord {
     struct Layer {
         std::size_t attn_candidates = 0, mlp_candidates = 0;  // n of each depth mix (0: layer 0's skipped mix)
@@ -161,9 +167,15 @@ struct StepRecord {
     std::vector<float> out_mix;                               // (T, n) the final mix (only the tokens with logits)
 };
 
+// Where one step's wall time went (run's step table and the benchmarks split a token's time with it).
+struct StepTimes {
+    std::vector<double> layers;  // seconds per layer
+    double head = 0;             // the embedding, the final mix, model.norm and lm_head
+};
+
 // A tentative step (chapter 16 verifies drafted tokens with one): every KDA layer runs on `scratch`, a
 // copy of its state, so the session's KDA states stay as they were, and keeps its tokens' projected
-// inputs in inputs[layer], from which the tokens that are kept are replayed later (kda_advance) without
+// inputs in inputs[layer], from which the tokens that are kept are replayed later (keep_tokens) without
 // reading a weight. MLA caches and the token list grow as in any step (a cache truncates). The logits
 // are those of an ordinary step, bit for bit.
 struct TentativeKda {
@@ -172,22 +184,34 @@ struct TentativeKda {
     std::size_t start = 0, tokens = 0;  // the step: its first position and its T
 };
 
-// `logits` receives (T, V) when all_logits, else only the last token's (1, V).
-inline void forward(float* logits, Model& model, Session& s, const std::int64_t* ids, std::size_t T, bool all_logits,
-                    StepRecord* record = nullptr, TentativeKda* tentative = nullptr) {
+enum class Rows { last, all };  // whose logits a step writes: the last token's (1, V), or every token's (T, V)
+
+// How a step runs beyond its tokens. `rows` and `tentative` decide what is computed and kept; `record`
+// and `times` only watch (nothing reads them to compute, so they cannot change a bit).
+struct StepOptions {
+    Rows rows = Rows::last;
+    TentativeKda* tentative = nullptr;  // KDA on a scratch copy, the session's states untouched (chapter 16)
+    StepRecord* record = nullptr;       // filled with what the step chose
+    StepTimes* times = nullptr;         // filled with where its time went
+};
+
+inline void forward(float* logits, Model& model, Session& s, std::span<const std::int64_t> ids, const StepOptions& o = {}) {
     const Config& c = model.config;
-    const std::size_t D = std::size_t(c.hidden_size);
+    const std::size_t D = std::size_t(c.hidden_size), T = ids.size();
     const float eps = c.rms_norm_eps;
     TrunkWeights& tw = model.trunk();
     auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // norms, biases, taps: f32 (chapter 12)
     if (model.experts()) model.experts()->begin_step();
+    StepRecord* record = o.record;
+    TentativeKda* tentative = o.tentative;
     if (tentative) tentative->start = s.position(), tentative->tokens = T;
+    using clock = std::chrono::steady_clock;
+    auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+    if (o.times) o.times->layers.assign(std::size_t(c.num_hidden_layers), 0.0);
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
     std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
-    using clock = std::chrono::steady_clock;
     const auto t_start = clock::now();
-    model.layer_seconds.assign(std::size_t(c.num_hidden_layers), 0.0);
     std::vector<ResidualState> res(T);
     if (record) record->tokens = T, record->layers.assign(std::size_t(c.num_hidden_layers), {});
     // where token t's depth weights of one mix go when recording: rec (T, n), n = this mix's candidates
@@ -199,7 +223,7 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
         tw.embed_row(&x[t * D], ids[t]);
         res[t].start(&x[t * D], D);
     }
-    double head = std::chrono::duration<double>(clock::now() - t_start).count();
+    if (o.times) o.times->head = since(t_start);
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         const auto t_layer = clock::now();
         const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
@@ -251,12 +275,12 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             if (rl) rl->routing = std::move(moe.routing);
         }
         for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
-        model.layer_seconds[std::size_t(l)] = std::chrono::duration<double>(clock::now() - t_layer).count();
+        if (o.times) o.times->layers[std::size_t(l)] = since(t_layer);
     }
     // 3.7 the final mix, model.norm, lm_head
     const auto t_head = clock::now();
     attn_res_fold(w.data(), AttnResWeights{vec(model.tensors.out_res_norm), vec(model.tensors.out_res_proj)}, D);
-    const std::size_t first = all_logits ? 0 : T - 1, n = T - first;
+    const std::size_t first = o.rows == Rows::all ? 0 : T - 1, n = T - first;
     if (record) record->out_candidates = res[first].bank.size() + (res[first].has_partial ? 1 : 0), record->out_mix.assign(n * record->out_candidates, 0.0f);
     for (std::size_t t = first; t < T; ++t) {
         res[t].mix(&x[t * D], w.data(), eps, record ? &record->out_mix[(t - first) * record->out_candidates] : nullptr);
@@ -272,12 +296,38 @@ inline void forward(float* logits, Model& model, Session& s, const std::int64_t*
             fail(ErrorKind::runtime, "the logits at position " + std::to_string(s.tokens.size() + first + i / V) + " are not finite (logit " +
                                          std::to_string(i % V) + " is " + std::to_string(logits[i]) +
                                          "): the checkpoint holds a NaN or Inf on the way (lm_head, model.norm, a layer's weights)");
-    s.tokens.insert(s.tokens.end(), ids, ids + T);
-    model.head_seconds = head + std::chrono::duration<double>(clock::now() - t_head).count();
+    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
+    if (o.times) o.times->head += since(t_head);
+}
+
+// Keeping the first n tokens of a tentative step. After a tentative step over T tokens the MLA caches and
+// the token list hold all T, the KDA states none of them. keep_tokens(n) truncates the former to n and
+// replays n tokens into the latter (kda_advance, chapter 07: no matrix is read), so the session is
+// exactly the session that fed only those n tokens (chapter 16 says why replay, not snapshots).
+inline void keep_tokens(Model& model, Session& s, const TentativeKda& t, std::size_t n) {
+    const Config& c = model.config;
+    if (s.position() != t.start + t.tokens || n > t.tokens)
+        fail(ErrorKind::usage, "keep_tokens: the session is at position " + std::to_string(s.position()) + ", the tentative step fed " +
+                                   std::to_string(t.tokens) + " tokens from " + std::to_string(t.start) + "; keep " + std::to_string(n) +
+                                   " (a step is rolled back once, right after it)");
+    TrunkWeights& tw = model.trunk();
+    auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // small tensors, widened to f32 (chapter 12)
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+        const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
+        if (lt.plan.attn == AttnKind::KDA) {
+            KdaWeights w{};  // the sequential part reads only the conv taps, A_log and dt_bias: resident small tensors
+            w.q_conv = vec(lt.q_conv), w.k_conv = vec(lt.k_conv), w.v_conv = vec(lt.v_conv);
+            w.A_log = vec(lt.A_log), w.dt_bias = vec(lt.dt_bias);
+            kda_advance(*s.kda[std::size_t(l)], t.inputs[std::size_t(l)], n, w, KdaDims::from(c));
+        } else {
+            s.mla[std::size_t(l)]->truncate(t.start + n);
+        }
+    }
+    s.tokens.resize(t.start + n);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 13.4 Teacher forcing, greedy generation, incremental decode and full recompute
+// 13.4 Teacher forcing, and the decode loop: greedy generation, incremental decode, full recompute
 // ---------------------------------------------------------------------------------------------------
 // The first maximum: ties go to the lowest id (never a platform-dependent order).
 inline std::int64_t argmax(const float* v, std::size_t n) {  // v (n)
@@ -293,9 +343,104 @@ inline std::vector<float> teacher_force(Model& model, Session& s, const std::vec
     std::vector<float> logits(ids.size() * V);
     for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
         const std::size_t n = std::min(chunk, ids.size() - t0);
-        forward(&logits[t0 * V], model, s, &ids[t0], n, true);
+        forward(&logits[t0 * V], model, s, std::span(ids).subspan(t0, n), {.rows = Rows::all});
     }
     return logits;
+}
+
+// THE DECODE LOOP. Every generation in this repository (generate below, chapter 15's sessions and chat
+// turns, chapter 16's speculation, kimik3 run, chat and serve) is this one loop:
+//   feed the fresh tokens (prompt chunks); choose a token from the last row; then, until a stop:
+//   feed [last chosen token, guesses...] in ONE step, choose a token from every row, keep the guesses
+//   that equal what was chosen (the first mismatch ends the step with the model's own token), roll the
+//   session back over the rest (keep_tokens).
+// Without a drafter there are no guesses and each step feeds one token: plain incremental decoding.
+// A token is chosen at its position p (p tokens before it): choose(row, p). Chapter 16 proves that the
+// guesses change only how many steps it takes, never a token or a logit bit.
+//
+// What differs between callers are hooks, each optional:
+using Chooser = std::function<std::int64_t(std::span<const float> logits, std::uint64_t position)>;
+struct DecodeStep {            // what one forward step did (the fresh tokens count as one step)
+    std::size_t fed = 0;       // tokens through the model: the fresh tokens, or 1 + drafted
+    std::size_t drafted = 0;   // guesses verified
+    std::size_t accepted = 0;  // guesses kept
+    std::size_t yielded = 0;   // tokens this step added to the output (accepted + 1, less at a stop)
+};
+struct DecodeHooks {
+    std::function<bool(std::int64_t id)> token{};   // each token as it is chosen (stream it); false ends the turn
+    std::function<void(const DecodeStep&)> step{};  // after each forward step, the fresh tokens' first
+    std::function<bool()> cancelled{};              // asked before each decode step; true ends the turn
+    std::function<std::vector<std::int64_t>(std::span<const std::int64_t> seq, std::size_t room)> draft{};  // <= room guesses after seq
+    StepRecord* record = nullptr;                   // given to every forward step
+    StepTimes* times = nullptr;                     // given to every forward step
+    std::vector<float>* logits = nullptr;           // appended: (drawn, V), the row each token was chosen from
+};
+struct DecodeLimits {
+    std::size_t max_new = 0;             // tokens to choose at most
+    std::size_t chunk = kPrefillChunk;   // fresh tokens per forward step
+    bool recompute = false;              // each token from a fresh session over the whole sequence (the check)
+};
+
+// Returns the chosen tokens in order. The last one (a stop token, or the max_new-th) is never fed: a
+// chat turn feeds it first next time. The session then holds the fresh tokens and every chosen token
+// but the last. (One sequence per step here; several sequences, each with its own session and hooks,
+// could share each step's read of the weights, since a step gives each token the bits it gets alone.)
+inline std::vector<std::int64_t> decode(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim,
+                                        const Chooser& choose, const DecodeHooks& h = {}) {
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    if (fresh.empty()) fail(ErrorKind::usage, "decode: nothing to feed");
+    if (lim.chunk == 0) fail(ErrorKind::usage, "decode: the prompt chunk must be at least 1 token");
+    if (lim.recompute && h.draft) fail(ErrorKind::usage, "decode: full recompute verifies no drafts");
+    std::vector<float> rows(V);  // (T, V): row i = the logits after token i of the step
+    auto feed = [&](std::span<const std::int64_t> ids) {  // prompt chunks; the last token's logits in rows[0, V)
+        for (std::size_t t0 = 0; t0 < ids.size(); t0 += lim.chunk)
+            forward(rows.data(), model, s, ids.subspan(t0, std::min(lim.chunk, ids.size() - t0)), {.record = h.record, .times = h.times});
+    };
+    std::vector<std::int64_t> drawn, seq, guess;
+    auto take = [&](const float* row, std::uint64_t position) {  // chooses one token; false when the turn ends with it
+        if (h.logits) h.logits->insert(h.logits->end(), row, row + V);
+        drawn.push_back(choose(std::span<const float>(row, V), position));
+        const bool more = !h.token || h.token(drawn.back());
+        return more && drawn.size() < lim.max_new;
+    };
+    auto so_far = [&] {  // every token of the sequence: the session's and the chosen one not yet fed
+        seq.assign(s.tokens.begin(), s.tokens.end());
+        seq.push_back(drawn.back());
+    };
+    feed(fresh);
+    if (lim.max_new == 0) return drawn;
+    bool go = take(rows.data(), s.position());
+    if (h.step) h.step(DecodeStep{fresh.size(), 0, 0, 1});
+    TentativeKda tentative;
+    while (go && !(h.cancelled && h.cancelled())) {
+        if (lim.recompute) {  // a fresh session over the whole sequence so far: slow, and the same bits
+            so_far();
+            s.reset();
+            feed(seq);
+            go = take(rows.data(), s.position());
+            if (h.step) h.step(DecodeStep{seq.size(), 0, 0, 1});
+            continue;
+        }
+        const std::size_t room = lim.max_new - drawn.size() - 1;  // never a position one-token steps would not reach
+        guess.clear();
+        if (h.draft && room) so_far(), guess = h.draft(seq, room);
+        if (guess.size() > room) guess.resize(room);
+        seq.assign(1, drawn.back());
+        seq.insert(seq.end(), guess.begin(), guess.end());
+        const std::size_t T = seq.size(), start = s.position();
+        rows.resize(T * V);
+        forward(rows.data(), model, s, seq, {.rows = Rows::all, .tentative = guess.empty() ? nullptr : &tentative, .record = h.record, .times = h.times});
+        std::size_t i = 0, accepted = 0;
+        for (;; ++i) {  // row i chooses the token at position start + i + 1
+            go = take(&rows[i * V], start + i + 1);
+            const bool match = i < guess.size() && drawn.back() == guess[i];
+            accepted += match;
+            if (!go || !match) break;
+        }
+        if (!guess.empty()) keep_tokens(model, s, tentative, i + 1);  // the last chosen token and the i guesses kept
+        if (h.step) h.step(DecodeStep{T, guess.size(), accepted, i + 1});
+    }
+    return drawn;
 }
 
 struct Generation {
@@ -303,35 +448,19 @@ struct Generation {
     std::vector<float> logits;       // (steps, V): the logits each token was chosen from
 };
 
-// Generates up to `steps` tokens after `prompt`. Incremental: one prefill (in chunks of `chunk`), then
-// one token per step, carrying the session. Recompute: every step starts a fresh session over the whole
-// sequence so far. `choose(logits)` picks each token (greedy: argmax); `on_token(step, id)` sees it as
-// soon as it is chosen and returns false to stop (a stop token).
+// Generates up to `steps` tokens after `prompt` in a new session: decode, incremental or (recompute)
+// every token from a fresh session over the whole sequence so far. `choose(logits)` picks each token
+// (greedy: argmax); `on_token(step, id)` sees it as soon as it is chosen and returns false to stop.
 template <class Choose, class OnToken>
 Generation generate(Model& model, const std::vector<std::int64_t>& prompt, std::size_t steps, std::size_t chunk, bool recompute,
                     std::size_t context, Choose&& choose, OnToken&& on_token) {
-    const std::size_t V = std::size_t(model.config.vocab_size);
     if (prompt.empty()) fail(ErrorKind::usage, "generate: the prompt is empty");
     Generation g;
-    std::vector<float> last(V);
     Session s(model.config, context);
-    std::vector<std::int64_t> seq = prompt;
-    for (std::size_t step = 0; step < steps; ++step) {
-        if (recompute || step == 0) {
-            s.reset();
-            for (std::size_t t0 = 0; t0 < seq.size(); t0 += chunk) {
-                const std::size_t n = std::min(chunk, seq.size() - t0);
-                forward(last.data(), model, s, &seq[t0], n, false);
-            }
-        } else {
-            forward(last.data(), model, s, &seq.back(), 1, false);
-        }
-        const std::int64_t id = choose(std::span<const float>(last.data(), V));
-        g.logits.insert(g.logits.end(), last.begin(), last.end());
-        g.ids.push_back(id);
-        seq.push_back(id);
-        if (!on_token(step, id)) break;
-    }
+    std::size_t step = 0;
+    g.ids = decode(model, s, prompt, {.max_new = steps, .chunk = chunk, .recompute = recompute},
+                   [&](std::span<const float> l, std::uint64_t) { return std::int64_t(choose(l)); },
+                   {.token = [&](std::int64_t id) { return bool(on_token(step++, id)); }, .logits = &g.logits});
     return g;
 }
 

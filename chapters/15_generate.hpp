@@ -7,9 +7,11 @@
 //   format (structural special tokens wrapping ordinary-text tags), segment-wise tokenization, stop
 //   tokens, and sampling (greedy, temperature, top-k, top-p) from a seeded generator whose every
 //   rounding step is pinned, so a seed gives the same tokens on every machine and thread count.
-//   Then the model-driven half: a session continued token by token (15.6), one chat turn that feeds
-//   only the new tokens and stops on either stop token (15.7), and sessions saved to and loaded from a
-//   versioned file, so a conversation resumes in a fresh process with bit-identical logits (15.8).
+//   Then the model-driven half: a session continued token by token (15.6: chapter 13's decode loop with
+//   this chapter's sampler), one chat turn that feeds only the new tokens, stops on either stop token and
+//   shows only the reply's text, never its markup (15.7; the reader is chapters/15a_reply.hpp), and
+//   sessions saved to and loaded from a versioned file, so a conversation resumes in a fresh process
+//   with bit-identical logits (15.8).
 //
 // WHERE THIS SITS IN KIMI K3
 //   The checkpoint renders chats in Python (encoding_k3.py). A user turn is
@@ -23,7 +25,8 @@
 //   segment     a run of the rendered chat that is either one structural special or one text string.
 //   tag         the text between <|open|> (or <|close|>) and <|sep|>: a name plus attributes k="v".
 //   logits      the model's unnormalised scores, one per id (V).
-//   temperature logits are divided by T before the softmax; T -> 0 is greedy.
+//   temperature logits are divided by T before the softmax; T <= 0 means greedy (the argmax, no draw),
+//               the limit of T -> 0.
 //   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
 //
 // THE XTML LAYOUT (docs/kimi-k3.md section 4; "[x]" is a special id, everything else BPE-encoded text)
@@ -76,8 +79,10 @@
 //      is any count that does not fit the model, the context or the file's length (checked before
 //      anything is allocated), an id outside the vocabulary, a non-finite state, or trailing bytes.
 //
-// USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, forward), chapter 00 (hsum16, Error).
-// RUN      make run-15    (renders a short chat; samples the tiny K3 at two temperatures)
+// USES     chapter 14 (Tokenizer), chapter 13 (Model, Session, decode), chapter 00 (hsum16, Error);
+//          its appendix chapters/15a_reply.hpp (ReplyReader: a reply's text by token id).
+// RUN      make run-15    (renders a short chat; the little K3 in a conversation, then one question
+//                         answered greedily and sampled at two temperatures, 0.7 and 1.0)
 // TEST     make test-15   (hand-written XTML token sequences; a hand-worked sampling case; sessions)
 //
 // SECTIONS
@@ -101,6 +106,7 @@
 #include "00_numerics.hpp"
 #include "13_model.hpp"
 #include "14_tokenizer.hpp"
+#include "15a_reply.hpp"
 
 namespace kimik3 {
 
@@ -351,28 +357,20 @@ inline std::uint32_t sample(std::span<const float> logits, const SamplingParams&
 // ---------------------------------------------------------------------------------------------------
 // 15.6 Continuing a session
 // ---------------------------------------------------------------------------------------------------
-// Feeds `fresh` (in forward steps of at most `chunk` tokens), then draws up to `max_new` tokens, one
-// forward step each, until `on_token(id)` returns false (a stop token: it is NOT fed; the caller keeps
-// it for the next turn). Returns the drawn ids, stop token included when there was one. Each token is
-// drawn at its position in the session (contract 3).
+// chapter 13's decode with this chapter's sampler: the token at position p is drawn with u(seed, p).
+inline Chooser sampler(const SamplingParams& sp) {
+    return [sp](std::span<const float> l, std::uint64_t position) { return std::int64_t(sample(l, sp, position)); };
+}
+
+// Feeds `fresh` (forward steps of at most `chunk` tokens), then draws up to `max_new` tokens, one forward
+// step each, until `on_token(id)` returns false (a stop token: it is NOT fed; the caller keeps it for the
+// next turn). Returns the drawn ids, stop token included when there was one.
 template <class OnToken>
 std::vector<std::int64_t> continue_session(Model& model, Session& s, const std::vector<std::int64_t>& fresh, std::size_t max_new,
                                            const SamplingParams& sp, std::size_t chunk, OnToken&& on_token,
                                            std::vector<float>* logits_out = nullptr) {  // logits_out (drawn, V)
-    const std::size_t V = std::size_t(model.config.vocab_size);
     if (fresh.empty()) fail(ErrorKind::usage, "continue_session: nothing to feed");
-    std::vector<float> last(V);
-    for (std::size_t t0 = 0; t0 < fresh.size(); t0 += chunk)
-        forward(last.data(), model, s, &fresh[t0], std::min(chunk, fresh.size() - t0), false);
-    std::vector<std::int64_t> drawn;
-    for (std::size_t n = 0; n < max_new; ++n) {
-        if (logits_out) logits_out->insert(logits_out->end(), last.begin(), last.end());
-        const std::int64_t id = std::int64_t(sample(last, sp, s.position()));
-        drawn.push_back(id);
-        if (!on_token(id) || n + 1 == max_new) break;
-        forward(last.data(), model, s, &id, 1, false);
-    }
-    return drawn;
+    return decode(model, s, fresh, {.max_new = max_new, .chunk = chunk}, sampler(sp), {.token = on_token, .logits = logits_out});
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -390,50 +388,24 @@ struct Chat {
 
 // What the next turn feeds after a reply, so that the conversation the model sees always holds the
 // reply as a closed message, as K3's renderers write every past turn. A reply that ended with
-// <|end_of_msg|> after closing its message is already closed: the stop token alone. A reply cut by
-// max_new, stopped by [EOS] or ended with tags still open gets what closes it: its last drawn token
-// when max_new cut it (not fed yet; a stop token is never fed), <|sep|> when it was cut inside a tag, a <|close|>TAG<|sep|> for every tag still
-// open (innermost first; an empty response block first when only a think block was written, since
-// every assistant message has one), then <|end_of_msg|>.
-// `reply` is what continue_session drew after the generation prompt (which opened message and think or
-// response), stop token included; every drawn token but the last was fed.
+// <|end_of_msg|> after closing its message is already closed: the stop token alone. Otherwise its last
+// drawn token when max_new cut it (not fed yet; a stop token is never fed), then ReplyReader::close.
+// `reply` is what continue_session drew after the generation prompt, stop token included.
 inline std::vector<std::int64_t> close_reply(const Tokenizer& tok, std::span<const std::int64_t> reply, bool thinking) {
-    const std::uint32_t open = tok.special_id("<|open|>"), close = tok.special_id("<|close|>"), sep = tok.special_id("<|sep|>");
     const StopTokens stops = stop_tokens(tok);
-    std::vector<std::string> stack = {"message", thinking ? "think" : "response"};  // what the generation prompt opened
-    bool response_seen = !thinking;
-    enum { text, in_open, in_close } mode = text;
-    std::string tag;  // the text of a tag being read, between <|open|>/<|close|> and <|sep|>
-    auto end_tag = [&] {
-        const std::string name = tag.substr(0, tag.find(' '));
-        if (mode == in_open) stack.push_back(name), response_seen = response_seen || name == "response";
-        else if (const auto it = std::find(stack.rbegin(), stack.rend(), name); it != stack.rend()) stack.erase(std::next(it).base(), stack.end());
-        mode = text, tag.clear();
-    };
-    std::vector<std::int64_t> out;
     const bool stopped = !reply.empty() && stops.contains(std::uint32_t(reply.back()));
     const std::size_t n = reply.size() - (stopped ? 1 : 0);
-    for (std::size_t k = 0; k < n; ++k) {
-        const std::uint32_t id = std::uint32_t(reply[k]);
-        if (id == open || id == close) mode = id == open ? in_open : in_close, tag.clear();
-        else if (id == sep && mode != text) end_tag();
-        else if (mode != text) tag += tok.decode(std::span<const std::uint32_t>(&id, 1));
-    }
+    ReplyReader r(tok, true, thinking);
+    for (std::size_t k = 0; k < n; ++k) r.push(std::uint32_t(reply[k]));
+    if (r.closed() && stopped && std::uint32_t(reply.back()) == stops.end_of_msg) return {reply.back()};
+    std::vector<std::int64_t> out;
     if (n > 0 && !stopped) out.push_back(reply[n - 1]);  // cut by max_new: the last drawn token was not fed yet
-    if (stack.empty() && stopped && std::uint32_t(reply.back()) == stops.end_of_msg) return {reply.back()};
-    ChatWriter w(tok);
-    if (mode != text) w.special("<|sep|>"), end_tag();
-    while (!stack.empty()) {
-        if (stack.size() == 1 && !response_seen) w.open("response"), w.close("response"), response_seen = true;
-        w.close(stack.back());
-        stack.pop_back();
-    }
-    w.special("<|end_of_msg|>");
-    out.insert(out.end(), w.ids().begin(), w.ids().end());
+    for (std::uint32_t id : r.close()) out.push_back(id);
     return out;
 }
 
-// One user message in, the assistant's reply out (streamed through on_text as complete UTF-8). The first
+// One user message in, the assistant's reply out (its text, reasoning included, streamed through
+// on_text as complete UTF-8; markup is never shown). The first
 // turn of a conversation begins with render_chat_start's messages (Chat::pending holds them).
 // `cont(fresh, on_token)` feeds the fresh tokens and draws the reply with continue_session's contract
 // (chat_turn passes continue_session itself; chapter 16 passes its speculative form).
@@ -455,14 +427,14 @@ std::vector<std::int64_t> chat_turn_with(Chat& chat, const Tokenizer& tok, const
                                    " positions, and this turn needs up to " + std::to_string(need) +
                                    " more: /reset, or start with a larger --context");
     const StopTokens stops = stop_tokens(tok);
-    Utf8Stream utf8;
+    ReplyReader reader(tok, true, chat.options.thinking);  // the reply's text, never its markup
+    auto show = [&](const ReplyReader::Delta& d) { on_text(d.reasoning + d.content); };
     const std::vector<std::int64_t> reply = cont(fresh, [&](std::int64_t id) {
         if (stops.contains(std::uint32_t(id))) return false;
-        const std::uint32_t u = std::uint32_t(id);
-        on_text(utf8.push(tok.decode(std::span<const std::uint32_t>(&u, 1))));
+        show(reader.push(std::uint32_t(id)));
         return true;
     });
-    on_text(utf8.finish());
+    show(reader.finish());
     chat.pending = close_reply(tok, reply, chat.options.thinking);  // fed first by the next turn
     return reply;
 }
@@ -471,7 +443,7 @@ template <class OnText>
 std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& tok, const std::string& user, std::size_t max_new,
                                     const SamplingParams& sp, OnText&& on_text) {
     return chat_turn_with(chat, tok, user, max_new, on_text, [&](const std::vector<std::int64_t>& fresh, auto&& on_token) {
-        return continue_session(model, chat.session, fresh, max_new, sp, 32, on_token);
+        return continue_session(model, chat.session, fresh, max_new, sp, kPrefillChunk, on_token);
     });
 }
 

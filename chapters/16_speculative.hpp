@@ -65,19 +65,19 @@
 //                          (one layer's: 6.7 MB at K3) and keeps its tokens' projected inputs (q, k, v, the
 //                          decay gate's f, beta's logits: 13.6 MB per token for K3's 69 layers); the
 //                          session's own states never see a rejected token. Once the step's acceptance is
-//                          known, kda_advance (chapter 07) replays the kept tokens' conv and recurrence
-//                          into each state: no weight is read again, the replay is the same code, so the
-//                          same bits. Time: one recurrence per kept token and layer, a few ms at K3 size
+//                          known, keep_tokens (chapter 13) replays the kept tokens' conv and recurrence
+//                          into each state (kda_advance, chapter 07): no weight is read again, the replay
+//                          is the same code, so the same bits. Time: one recurrence per kept token and layer, a few ms at K3 size
 //                          against a step that reads 111 GB.
 //   Memory decides it: at the floor, the state snapshots would cost more than everything else resident.
 //
-// USES     chapter 13 (forward with every position's logits, tentative KDA steps), chapter 07 (kda_advance),
-//          chapter 15 (sampling at a position, chat turns), chapter 08 (MlaCache::truncate)
+// USES     chapter 13 (the decode loop, which verifies and rolls back: forward with every position's
+//          logits, tentative KDA steps, keep_tokens), chapter 15 (sampling at a position, chat turns)
 // RUN      make run-16      TEST   make test-16      BENCH   make bench-speculate
 //
 // SECTIONS
-//   16.1 drafts from the sequence itself     16.2 verification in one step     16.3 rollback
-//   16.4 speculative generation: a session continued, a chat turn, the counts
+//   16.1 drafts from the sequence itself     16.2 verification in one step and 16.3 rollback (chapter 13's
+//   decode loop runs them)     16.4 speculative generation: a session continued, a chat turn, the counts
 // ====================================================================================================
 #pragma once
 
@@ -150,44 +150,14 @@ struct PromptLookup {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// 16.3 Rollback: keep the first n tokens of a tentative step
+// 16.2 Verification in one step, 16.3 rollback, and 16.4 the loop around them
 // ---------------------------------------------------------------------------------------------------
-// (16.2 below uses it.) After forward(..., nullptr, &tentative) over T tokens, the MLA caches and the token list
-// hold all T, the KDA states none of them. keep_tokens(n) truncates the former to n and replays n
-// tokens into the latter (kda_advance: no matrix is read), so the session is exactly the session that
-// fed only those n tokens.
-inline void keep_tokens(Model& model, Session& s, const TentativeKda& t, std::size_t n) {
-    const Config& c = model.config;
-    if (s.position() != t.start + t.tokens || n > t.tokens)
-        fail(ErrorKind::usage, "keep_tokens: the session is at position " + std::to_string(s.position()) + ", the tentative step fed " +
-                                   std::to_string(t.tokens) + " tokens from " + std::to_string(t.start) + "; keep " + std::to_string(n) +
-                                   " (a step is rolled back once, right after it)");
-    TrunkWeights& tw = model.trunk();
-    auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // small tensors, widened to f32 (chapter 12)
-    for (int l = 0; l < c.num_hidden_layers; ++l) {
-        const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
-        if (lt.plan.attn == AttnKind::KDA) {
-            KdaWeights w{};  // the sequential part reads only the conv taps, A_log and dt_bias: resident small tensors
-            w.q_conv = vec(lt.q_conv), w.k_conv = vec(lt.k_conv), w.v_conv = vec(lt.v_conv);
-            w.A_log = vec(lt.A_log), w.dt_bias = vec(lt.dt_bias);
-            kda_advance(*s.kda[std::size_t(l)], t.inputs[std::size_t(l)], n, w, KdaDims::from(c));
-        } else {
-            s.mla[std::size_t(l)]->truncate(t.start + n);
-        }
-    }
-    s.tokens.resize(t.start + n);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// 16.2 Verification in one step, and 16.4 the loop around it
-// ---------------------------------------------------------------------------------------------------
-// What one forward step did (the prefill counts as one step with nothing drafted).
-struct SpeculativeStep {
-    std::size_t fed = 0;       // tokens through the model in this step: the prefill, or 1 + drafted
-    std::size_t drafted = 0;   // guesses verified
-    std::size_t accepted = 0;  // guesses kept
-    std::size_t yielded = 0;   // tokens this step added to the output (accepted + 1, less at a stop)
-};
+// The verify step, the acceptance rule and the rollback are chapter 13's decode loop (13.4), which every
+// generation in the repository runs: plain decoding is this chapter's speculation with no guesses. A
+// verify step is forward(..., {.rows = Rows::all, .tentative = &t}) over [last, d_1 .. d_N]; the rollback
+// is keep_tokens(model, s, t, accepted + 1) (13.3), the replay chosen in the top block. What this
+// chapter adds is where the guesses come from (16.1) and the counts.
+using SpeculativeStep = DecodeStep;  // what one forward step did (the prefill counts as one, nothing drafted)
 
 // Totals over the decode steps (the prefill's one token is not counted: it costs what it always costs).
 struct SpeculationStats {
@@ -197,9 +167,10 @@ struct SpeculationStats {
     double tokens_per_step() const { return steps ? double(yielded) / double(steps) : 0.0; }
 };
 
-// The engine of this chapter. Feeds `fresh` (prompt chunks of at most `chunk`), then generates up to
-// max_new tokens: each step drafts up to max_draft tokens with draft(seq, max) (seq: every token so
-// far, the last chosen one included), verifies them in one forward step and keeps what contract 1 says.
+// Feeds `fresh` (prompt chunks of at most `chunk`), then generates up to max_new tokens: each step
+// drafts up to max_draft tokens with draft(seq, max) (seq: every token so far, the last chosen one
+// included), verifies them in one forward step and keeps what contract 1 says. That is decode (13.4)
+// with a drafter:
 //   choose(logits, position) -> id     the model's choice at a position (greedy, or chapter 15's sample)
 //   on_token(id) -> bool               sees each token as it is kept; false ends the turn (a stop token)
 //   on_step(const SpeculativeStep&)    after every forward step (the prefill first)
@@ -210,51 +181,18 @@ std::vector<std::int64_t> continue_speculative(Model& model, Session& s, const s
                                                std::size_t max_draft, std::size_t chunk, Choose&& choose, Draft&& draft,
                                                OnToken&& on_token, OnStep&& on_step,
                                                std::vector<float>* logits_out = nullptr) {  // logits_out (drawn, V)
-    const std::size_t V = std::size_t(model.config.vocab_size);
-    if (fresh.empty()) fail(ErrorKind::usage, "continue_speculative: nothing to feed");
-    if (chunk == 0) fail(ErrorKind::usage, "continue_speculative: the prompt chunk must be at least 1 token");
-    std::vector<float> logits(V);  // (T, V): row i = the logits after token i of the step
-    for (std::size_t t0 = 0; t0 < fresh.size(); t0 += chunk)
-        forward(logits.data(), model, s, &fresh[t0], std::min(chunk, fresh.size() - t0), false);
-    std::vector<std::int64_t> drawn;
-    if (max_new == 0) return drawn;
-    // Chooses the token at `position` from a row of logits; false when the turn ends with it.
-    auto take = [&](const float* row, std::uint64_t position) {
-        if (logits_out) logits_out->insert(logits_out->end(), row, row + V);
-        drawn.push_back(choose(std::span<const float>(row, V), position));
-        return on_token(drawn.back()) && drawn.size() < max_new;
-    };
-    bool go = take(logits.data(), s.position());
-    on_step(SpeculativeStep{fresh.size(), 0, 0, 1});
-    TentativeKda tentative;
-    std::vector<std::int64_t> seq, step_ids;
-    while (go) {
-        // draft after everything so far: the session's tokens and the chosen token not yet fed
-        seq.assign(s.tokens.begin(), s.tokens.end());
-        seq.push_back(drawn.back());
-        const std::size_t room = std::min(max_draft, max_new - drawn.size() - 1);  // contract 2
-        std::vector<std::int64_t> d = room ? draft(std::span<const std::int64_t>(seq), room) : std::vector<std::int64_t>{};
-        if (d.size() > room) d.resize(room);
-        step_ids.assign(1, drawn.back());
-        step_ids.insert(step_ids.end(), d.begin(), d.end());
-        const std::size_t T = step_ids.size(), start = s.position();
-        logits.resize(T * V);
-        // 16.2: one step over [last, d_1 .. d_N], every row's logits; KDA tentative when there is a draft
-        forward(logits.data(), model, s, step_ids.data(), T, true, nullptr, d.empty() ? nullptr : &tentative);
-        std::size_t i = 0, accepted = 0;
-        for (;; ++i) {  // row i chooses the token at position start + i + 1
-            go = take(&logits[i * V], start + i + 1);
-            const bool match = i < d.size() && drawn.back() == d[i];
-            accepted += match;
-            if (!go || !match) break;
-        }
-        // 16.3: the step keeps tokens 0 .. i (the last chosen token and the i drafts accepted before row i)
-        if (!d.empty()) keep_tokens(model, s, tentative, i + 1);
-        const SpeculativeStep step{T, d.size(), accepted, i + 1};
-        if constexpr (requires { draft.observe(step); }) draft.observe(step);
-        on_step(step);
-    }
-    return drawn;
+    bool prefill = true;
+    return decode(model, s, fresh, {.max_new = max_new, .chunk = chunk}, choose,
+                  {.token = on_token,
+                   .step =
+                       [&](const DecodeStep& st) {
+                           if constexpr (requires { draft.observe(st); })
+                               if (!prefill) draft.observe(st);
+                           prefill = false;
+                           on_step(st);
+                       },
+                   .draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return draft(seq, std::min(room, max_draft)); },
+                   .logits = logits_out});
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -269,8 +207,7 @@ std::vector<std::int64_t> continue_session_speculative(Model& model, Session& s,
     bool prefill = true;
     PromptLookup drafter{.max_draft = max_draft, .options = lookup};
     return continue_speculative(
-        model, s, fresh, max_new, max_draft, chunk,
-        [&](std::span<const float> l, std::uint64_t position) { return std::int64_t(sample(l, sp, position)); }, drafter, on_token,
+        model, s, fresh, max_new, max_draft, chunk, sampler(sp), drafter, on_token,
         [&](const SpeculativeStep& st) {
             if (stats && !prefill) stats->add(st);
             prefill = false;
@@ -284,7 +221,7 @@ std::vector<std::int64_t> chat_turn_speculative(Model& model, Chat& chat, const 
                                                 const SamplingParams& sp, std::size_t max_draft, OnText&& on_text,
                                                 SpeculationStats* stats = nullptr) {
     return chat_turn_with(chat, tok, user, max_new, on_text, [&](const std::vector<std::int64_t>& fresh, auto&& on_token) {
-        return continue_session_speculative(model, chat.session, fresh, max_new, sp, 32, max_draft, on_token, nullptr, stats);
+        return continue_session_speculative(model, chat.session, fresh, max_new, sp, kPrefillChunk, max_draft, on_token, nullptr, stats);
     });
 }
 

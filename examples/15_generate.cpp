@@ -1,5 +1,6 @@
-// Chapter 15 example: a short chat rendered to K3's XTML token ids, then the tiny K3 replying to a
-// user turn, greedy and sampled at two temperatures from one seed.
+// Chapter 15 example: a short chat rendered to K3's XTML token ids, then the little K3 (14 M parameters,
+// trained on English and synthetic chat turns) in a conversation: a greedy turn, a second turn that
+// feeds only its new tokens, then one question answered greedily and sampled at T = 0.7 and 1.0.
 // Usage: 15_generate [TOKENIZER_DIR]
 #include <cstdio>
 #include <string>
@@ -34,7 +35,7 @@ static void print_segments(const Tokenizer& tok, const std::vector<std::uint32_t
 }
 
 int main(int argc, char** argv) {
-    const Tokenizer tok = Tokenizer::load(argc > 1 ? argv[1] : KIMIK3_SOURCE_DIR "/fixtures/tiny-k3");
+    const Tokenizer tok = Tokenizer::load(argc > 1 ? argv[1] : KIMIK3_SOURCE_DIR "/fixtures/little-k3");
     const ChatMessage chat[] = {{.role = "system", .content = "You are Kimi."},
                                 {.role = "user", .content = "What does <|open|> mean?", .name = "Ada \"A&B\""}};
 
@@ -53,20 +54,32 @@ int main(int argc, char** argv) {
     const StopTokens stop = stop_tokens(tok);
     std::printf("15.3 generation stops at %u <|end_of_msg|> or %u [EOS]\n\n", stop.end_of_msg, stop.eos);
 
-    // The tiny K3 itself (random weights: the text is noise, but every step is the real engine): one
-    // user turn, then replies sampled at two temperatures from the same seed.
+    // The little K3 itself: every token the real engine's, every reply's text read by token id
+    // (chapters/15a_reply.hpp), so the markup that closes a reply is never shown.
     ModelOptions mo;
-    Model model(std::string(KIMIK3_SOURCE_DIR) + "/fixtures/tiny-k3", mo);
-    std::printf("15.6 the tiny K3 replies to \"Hello!\" (random weights: noise, but every bit the engine's)\n");
-    for (float temperature : {0.0f, 0.7f, 1.5f}) {
+    Model model(std::string(KIMIK3_SOURCE_DIR) + "/fixtures/little-k3", mo);
+    auto ids_text = [&](const std::vector<std::int64_t>& r) {
+        return tok.decode(std::vector<std::uint32_t>(r.begin(), r.end() - (stop.contains(std::uint32_t(r.back())) ? 1 : 0)));
+    };
+    std::printf("15.7 a conversation with the little K3 (greedy, thinking off)\n");
+    Chat conversation(model.config, 512);
+    conversation.options.thinking = false;
+    for (const char* user : {"Where did she go?", "And then?"}) {
+        std::string text;
+        const std::size_t before = conversation.session.position();
+        const auto reply = chat_turn(model, conversation, tok, user, 24, SamplingParams{.temperature = 0}, [&](const std::string& t) { text += t; });
+        std::printf("  user: %s\n  K3:   %s\n", user, text.c_str());
+        std::printf("        (fed %zu new tokens, %zu drawn; the drawn ids decode to \"%s\")\n", conversation.session.position() - before - (reply.size() - 1),
+                    reply.size(), ids_text(reply).c_str());
+    }
+    std::printf("\n15.5 one question, greedy and sampled (top-k 40, top-p 0.95, seed 2026)\n");
+    for (float temperature : {0.0f, 0.7f, 1.0f}) {
         Chat chat(model.config, 128);
         chat.options.thinking = false;
         const SamplingParams sp{.temperature = temperature, .top_k = 40, .top_p = 0.95f, .seed = 2026};
         std::string text;
-        const auto reply = chat_turn(model, chat, tok, "Hello!", 12, sp, [&](const std::string& t) { text += t; });
-        std::printf("  T = %.1f: %2zu tokens, ids", double(temperature), reply.size());
-        for (std::int64_t id : reply) std::printf(" %lld", (long long)id);
-        std::printf("\n           text \"%s\"\n", text.c_str());
+        const auto reply = chat_turn(model, chat, tok, "Tell me about the city.", 32, sp, [&](const std::string& t) { text += t; });
+        std::printf("  T = %.1f (%2zu tokens): %s\n", double(temperature), reply.size(), text.c_str());
     }
     return 0;
 }

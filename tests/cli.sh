@@ -134,6 +134,13 @@ if [ -n "$a" ] && [ "$a" = "$b" ]; then pass=$((pass + 1)); else fail=$((fail + 
 expect "chat --speculate: each turn reports its steps" 0 "decode steps, [0-9]+ drafted, [0-9]+ accepted" sh -c "printf 'Hi\n' | '$bin' chat fixtures/tiny-k3 --max-new 6 --speculate 2"
 expect "chat --speculate 0 is a usage error" 2 "--speculate must be at least 1" "$bin" chat fixtures/tiny-k3 --speculate 0
 
+# ---- a reply shows its text, never the chat format's markup (decided by token id) -------------------------
+# The little K3's greedy reply closes its response and its message: run and chat print the text alone.
+a=$("$bin" run fixtures/little-k3 --prompt "Where did she go?" --gen 24 --quiet 2>/dev/null)
+b=$(printf 'Where did she go?\n' | "$bin" chat fixtures/little-k3 --max-new 24 --temperature 0 2>/dev/null)
+if [ "$a" = "The city she visited is Vienna." ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: run's reply shows markup or other text ('$a')"; fi
+if [ "$b" = "$a" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: chat's reply differs from run's ('$b' vs '$a')"; fi
+
 # ---- kimik3 plan --------------------------------------------------------------------------------------
 expect "plan: the real K3 at the laptop preset" 0 "pinned: .* lm_head" "$bin" plan --config fixtures/k3-release/config.json --preset laptop
 expect "plan: --budget floor is exactly the floor" 0 "plan for a budget of ([0-9.]+ GB) \(floor \1\)" "$bin" plan --config fixtures/k3-release/config.json --budget floor

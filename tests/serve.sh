@@ -227,6 +227,33 @@ kill "$SPID"
 wait "$SPID" 2>/dev/null
 check "disconnect: the generation stopped early (server log)" grep -qE "the client left after [0-9]+ of 190 tokens" "$tmp/main.log"
 
+# ---- --speculate N: the same replies, bit for bit, in fewer steps (as kimik3 run --speculate) ---------------
+start spec --context 256 --quiet --speculate 4 || bad "the --speculate server did not start"
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+check "serve --speculate 4, greedy: the same ids as kimik3 run" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
+check "serve --speculate 4, greedy: the same content as without --speculate" same "$(jq -c '.choices[0].message.content' "$tmp/body")" "$(jq -c '.choices[0].message.content' "$tmp/greedy.json")"
+stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"stream\":true,\"kimik3\":{}}"
+check "serve --speculate 4, streamed, sampled (seed 42): the same ids as kimik3 run" same "$(grep -v '^\[DONE\]' "$tmp/events" | jq -sc '[.[] | .kimik3.token // empty]')" "$sampled_run"
+check "serve --speculate 4, streamed: the same text as without --speculate" same "$(grep -v '^\[DONE\]' "$tmp/events" | jq -sr '[.[] | .choices[0].delta.content // empty] | join("")')" "$streamed_text"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+# the little K3 repeats what it read, so its drafts are accepted: verify steps that keep several tokens
+served_model=$model
+model=fixtures/little-k3
+un="The United Nations system is the most important part of the United Nations. The United Nations system"
+little_run=$(run_ids --raw --prompt "$un" --gen 32)
+start spec-little --context 256 --quiet --speculate 8 || bad "the little --speculate server did not start"
+post "$URL" /v1/completions "$(jq -nc --arg p "$un" '{prompt: $p, max_tokens: 32, temperature: 0, kimik3: {trace: true}}')" >/dev/null
+check "serve --speculate 8 on the little K3: the same ids as kimik3 run without it" jq -e --argjson want "$little_run" '.kimik3.ids == $want' "$tmp/body"
+check "serve --speculate 8 on the little K3: drafts accepted (fewer steps than tokens, a step fed more than one)" \
+    jq -e '([.kimik3.tokens[].step.index] | unique | length) < (.kimik3.ids | length) and any(.kimik3.tokens[1:][]; .step.tokens_fed > 1)' "$tmp/body"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+model=$served_model
+usage_error() { local out; out=$("$bin" serve "$model" --port 0 "$@" 2>&1 </dev/null); [ $? -eq 2 ] && grep -q -- "$USAGE_WANT" <<<"$out"; }
+USAGE_WANT="--speculate must be at least 1" check "serve --speculate 0 is a usage error (exit 2)" usage_error --speculate 0
+USAGE_WANT="--speculate: 33 is more than 32" check "serve --speculate 33 is a usage error (exit 2)" usage_error --speculate 33
+
 # ---- one at a time: a bounded queue, then 503 with Retry-After --------------------------------------------
 start queue --context 8192 --queue 1 || bad "the queue server did not start"
 # ignore_eos: a model with random weights draws an end-of-turn token within ~150 tokens, too soon for a queue

@@ -198,16 +198,16 @@ TEST_CASE("13.3 a step record changes no bit, and a prompt step records what its
     const std::size_t T = ids.size();
     Session plain(c, 64), recorded(c, 64), single(c, 64);
     std::vector<float> a(T * V), b(T * V), one(V);
-    forward(a.data(), m, plain, ids.data(), T, true);
+    forward(a.data(), m, plain, {ids.data(), T}, {.rows = Rows::all});
     StepRecord r;
-    forward(b.data(), m, recorded, ids.data(), T, true, &r);
+    forward(b.data(), m, recorded, {ids.data(), T}, {.rows = Rows::all, .record = &r});
     CHECK_BITS_EQ(a, b);  // recording is observation only
     REQUIRE(r.tokens == T);
     REQUIRE(r.layers.size() == L);
     const std::size_t bs = std::size_t(c.attn_res_block_size);
     for (std::size_t t = 0; t < T; ++t) {
         StepRecord s;
-        forward(one.data(), m, single, &ids[t], 1, false, &s);
+        forward(one.data(), m, single, {&ids[t], 1}, {.record = &s});
         CHECK(std::equal(one.begin(), one.end(), b.begin() + long(t * V)));
         for (std::size_t l = 0; l < L; ++l) {
             const StepRecord::Layer &pl = r.layers[l], &sl = s.layers[l];

@@ -174,6 +174,43 @@ TEST_CASE("15.7 close_reply: a reply cut short or stopped by [EOS] is closed bef
     CHECK(text(close_reply(t, ids({"<|end_of_msg|>"}), false)) == "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>");
 }
 
+TEST_CASE("15.7 a reply shows its text, never the chat format's markup: markup is decided by token id") {
+    auto shown = [&](std::initializer_list<std::string> segs, bool thinking) {
+        ReplyReader r(tiny(), true, thinking);
+        std::string out;
+        for (std::uint32_t id : segments(segs)) {
+            const ReplyReader::Delta d = r.push(id);
+            out += d.reasoning + d.content;
+        }
+        const ReplyReader::Delta d = r.finish();
+        return out + d.reasoning + d.content;
+    };
+    // the reply closes its response and its message: none of that is text
+    CHECK(shown({"Hi there", "<|close|>", "response", "<|sep|>", "<|close|>", "message", "<|sep|>"}, false) == "Hi there");
+    // thinking on: the think body and the response body, not the tags between them
+    CHECK(shown({"hmm", "<|close|>", "think", "<|sep|>", "<|open|>", "response", "<|sep|>", "Hi", "<|close|>", "response", "<|sep|>"}, true) ==
+          "hmmHi");
+    // the characters of a marker, written as text (ordinary BPE ids), are text
+    CHECK(shown({"a <|close|>response<|sep|> b"}, false) == "a <|close|>response<|sep|> b");
+    // after the response is closed, stray text (a tool block, or a model's noise) is not the reply
+    CHECK(shown({"ok", "<|close|>", "response", "<|sep|>", "<|open|>", "tools", "<|sep|>", "x", "<|close|>", "tools", "<|sep|>"}, false) == "ok");
+    // end to end on the little K3, whose greedy reply closes its own message: chat_turn's text is the
+    // decoded reply up to its first markup id
+    const std::string dir = test::source_path("fixtures/little-k3");
+    Model m(dir, ModelOptions{});
+    const Tokenizer tok = Tokenizer::load(dir);
+    Chat c(m.config, 256);
+    c.options.thinking = false;
+    std::string text;
+    const std::vector<std::int64_t> reply = chat_turn(m, c, tok, "Where did she go?", 24, {.temperature = 0}, [&](const std::string& t) { text += t; });
+    const std::uint32_t close = tok.special_id("<|close|>");
+    const auto first_markup = std::find(reply.begin(), reply.end(), std::int64_t(close));
+    REQUIRE(first_markup != reply.end());  // the reply does close itself (so the check below means something)
+    CHECK(text == tok.decode(std::vector<std::uint32_t>(reply.begin(), first_markup)));
+    CHECK(text.find("<|") == std::string::npos);
+    CHECK(!text.empty());
+}
+
 TEST_CASE("15.3 stop tokens: <|end_of_msg|> and [EOS], both") {
     const StopTokens s = stop_tokens(tiny());
     CHECK(s.end_of_msg == 482);
@@ -325,7 +362,7 @@ TEST_CASE("15.7 a chat turn feeds only the new tokens, and equals recomputing th
     const std::size_t second_turn_first = after_one + (c.session.tokens.size() - after_one) - (carried.size() / V - 1);
     history.resize(second_turn_first);
     std::vector<float> last(V);
-    for (std::size_t t0 = 0; t0 < history.size(); t0 += 32) forward(last.data(), t.model, fresh, &history[t0], std::min<std::size_t>(32, history.size() - t0), false);
+    for (std::size_t t0 = 0; t0 < history.size(); t0 += 32) forward(last.data(), t.model, fresh, {&history[t0], std::min<std::size_t>(32, history.size() - t0)});
     CHECK_BITS_EQ(last, std::span<const float>(carried.data(), V));
 }
 

@@ -150,21 +150,21 @@ TEST_CASE("16.3 a tentative step gives ordinary logits, and kept to n tokens the
         CAPTURE(n);
         Session a(m.config, 64), b(m.config, 64);
         std::vector<float> last(V), la(step.size() * V), lb(step.size() * V);
-        forward(last.data(), m, a, prompt().data(), prompt().size(), false);
-        forward(last.data(), m, b, prompt().data(), prompt().size(), false);
+        forward(last.data(), m, a, prompt());
+        forward(last.data(), m, b, prompt());
         TentativeKda t;
-        forward(la.data(), m, a, step.data(), step.size(), true, nullptr, &t);
+        forward(la.data(), m, a, step, {.rows = Rows::all, .tentative = &t});
         CHECK(t.start == prompt().size());
         CHECK(t.tokens == step.size());
         keep_tokens(m, a, t, n);
-        for (std::size_t i = 0; i < n; ++i) forward(&lb[i * V], m, b, &step[i], 1, true);  // one-token steps
+        for (std::size_t i = 0; i < n; ++i) forward(&lb[i * V], m, b, {&step[i], 1}, {.rows = Rows::all});  // one-token steps
         check_same_session(a, b);
         CHECK_BITS_EQ(std::span<const float>(la.data(), n * V), std::span<const float>(lb.data(), n * V));
         // both sessions go on to the same next logits
         const std::int64_t next = 200;
-        forward(last.data(), m, a, &next, 1, false);
+        forward(last.data(), m, a, {&next, 1});
         std::vector<float> last_b(V);
-        forward(last_b.data(), m, b, &next, 1, false);
+        forward(last_b.data(), m, b, {&next, 1});
         CHECK_BITS_EQ(last, last_b);
     }
 }
@@ -175,7 +175,7 @@ TEST_CASE("16.3 keep_tokens refuses a step it did not follow, or more tokens tha
     std::vector<float> l(4 * 512);
     const Ids step = {1, 2, 3, 4};
     TentativeKda t;
-    forward(l.data(), m, s, step.data(), 4, true, nullptr, &t);
+    forward(l.data(), m, s, {step.data(), 4}, {.rows = Rows::all, .tentative = &t});
     test::expect_error([&] { keep_tokens(m, s, t, 5); }, ErrorKind::usage, {"the tentative step fed 4 tokens from 0; keep 5"});
     keep_tokens(m, s, t, 2);
     test::expect_error([&] { keep_tokens(m, s, t, 1); }, ErrorKind::usage, {"the session is at position 2", "rolled back once"});

@@ -265,17 +265,19 @@ inline int cmd_run(std::vector<std::string> args) {
     };
     std::vector<StepRow> rows;
     std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
-    Utf8Stream utf8;
+    std::optional<ReplyReader> reply;  // the reply's text: never the chat format's markup (--raw: every token)
+    if (tok) reply.emplace(*tok, !raw, think);
+    StepTimes times;                   // where each forward step's time went (the step table's layer columns)
     const StopTokens stops = tok ? stop_tokens(*tok) : StopTokens{};
     IoSnapshot prev = io_snapshot(model);
     auto t_step = std::chrono::steady_clock::now();
     const auto t_run = t_step;
-    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens, SpeculativeStep spec = {0, 0, 0, 1}) {
+    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens, DecodeStep spec = {0, 0, 0, 1}) {
         const IoSnapshot now = io_snapshot(model);
         rows.push_back({step, tokens, token, seconds_since(t_step),
                         (now.trunk_wait - prev.trunk_wait) + (now.expert_wait - prev.expert_wait),
                         (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
-                        now.cache.requests - prev.cache.requests, model.layer_seconds, model.head_seconds, now.trunk - prev.trunk,
+                        now.cache.requests - prev.cache.requests, times.layers, times.head, now.trunk - prev.trunk,
                         now.experts - prev.experts, now.embed_rows - prev.embed_rows, spec.drafted, spec.accepted, spec.yielded});
         if (!quiet) {
             const StepRow& r = rows.back();
@@ -302,7 +304,7 @@ inline int cmd_run(std::vector<std::string> args) {
             for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
                 const std::size_t n = std::min(chunk, ids.size() - t0);
                 logits.resize((t0 + n) * V);
-                forward(&logits[t0 * V], model, s, &ids[t0], n, true);
+                forward(&logits[t0 * V], model, s, {&ids[t0], n}, {.rows = Rows::all, .times = &times});
                 record(t0, ids[t0 + n - 1], n);
             }
             for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
@@ -318,41 +320,29 @@ inline int cmd_run(std::vector<std::string> args) {
                         stop_token = id;
                         return false;
                     }
-                    const std::uint32_t u = std::uint32_t(id);
-                    std::printf("%s", utf8.push(tok->decode(std::span<const std::uint32_t>(&u, 1))).c_str());
+                    const ReplyReader::Delta d = reply->push(std::uint32_t(id));
+                    std::printf("%s%s", d.reasoning.c_str(), d.content.c_str());
                 } else {
                     std::printf("%s%lld", step ? "," : "", (long long)id);
                 }
                 std::fflush(stdout);
                 return true;
             };
-            if (speculate) {
-                Session s(model.config, mo.plan.context);
-                std::vector<std::int64_t> shown;  // every token so far (the step rows name their first)
-                PromptLookup drafter{.max_draft = speculate};
-                out_ids = continue_speculative(
-                    model, s, ids, gen, speculate, chunk, choose, drafter,
-                    [&](std::int64_t id) {
-                        shown.push_back(id);
-                        return show(shown.size() - 1, id);
-                    },
-                    [&](const SpeculativeStep& st) {
-                        const std::size_t first = shown.size() - st.yielded;
-                        record(first, shown[first], st.fed, st);
-                    },
-                    &logits);
-            } else {
-                std::uint64_t position = ids.size();
-                Generation g = generate(
-                    model, ids, gen, chunk, recompute, mo.plan.context, [&](std::span<const float> l) { return choose(l, position++); },
-                    [&](std::size_t step, std::int64_t id) {
-                        record(step, id, step == 0 || recompute ? ids.size() + step : 1);
-                        return show(step, id);
-                    });
-                out_ids = g.ids;
-                logits = std::move(g.logits);  // not a second copy of every step's logits
-            }
-            std::printf("%s\n", tok ? utf8.finish().c_str() : "");
+            // chapter 13's decode loop; with --speculate, chapter 16's prompt lookup guesses
+            Session s(model.config, mo.plan.context);
+            PromptLookup drafter{.max_draft = speculate};
+            DecodeHooks hooks{.token = [&](std::int64_t id) { return out_ids.push_back(id), show(out_ids.size() - 1, id); },
+                              .step =
+                                  [&](const DecodeStep& st) {
+                                      const std::size_t first = out_ids.size() - st.yielded;  // the rows name a step's first token
+                                      record(first, out_ids[first], st.fed, st);
+                                  },
+                              .times = &times,
+                              .logits = &logits};
+            if (speculate) hooks.draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return drafter(seq, room); };
+            decode(model, s, ids, {.max_new = gen, .chunk = chunk, .recompute = recompute}, choose, hooks);
+            const ReplyReader::Delta d = reply ? reply->finish() : ReplyReader::Delta{};
+            std::printf("%s%s\n", d.reasoning.c_str(), d.content.c_str());
         }
     } catch (const Error& e) {
         if (e.kind != ErrorKind::runtime) throw;

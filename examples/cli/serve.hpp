@@ -23,13 +23,16 @@
 //                  reply. The reused length is reported as usage.prompt_tokens_details.cached_tokens.
 //                  Reuse changes no bit: a step of T tokens equals T steps of one (chapter 13).
 //   one at a time  One model, one session, one generation: requests wait in a bounded queue (then 503
-//                  with Retry-After), run on one engine thread (which owns the OpenMP team), and stop
+//                  with Retry-After), run on one engine thread (the only caller of chapter 00's thread
+//                  team, whose workers split each step's rows; a second caller would run alone), and stop
 //                  when their client disconnects. A failed weight read ends that request with an error
 //                  and resets the session; the server goes on.
 //
-//   What the page at / shows comes from the engine's real per-step state, through forward's optional
-//   StepRecord (chapter 13): the experts each MoE layer chose with their combine weights, the AttnRes
-//   depth weights of each mix, and the trunk and expert-cache counters of that step. API clients get
+//   Generation is chapter 13's decode loop, as in `run` and `chat` (with --speculate, chapter 16's
+//   prompt lookup: the same tokens in fewer steps). What the page at / shows comes from the engine's
+//   real per-step state, through the StepRecord the loop hands to each forward step (chapter 13): the
+//   experts each MoE layer chose with their combine weights, the AttnRes depth weights of each mix, and
+//   the trunk and expert-cache counters of that step (a verify step's tokens share them). API clients get
 //   none of it unless they ask ("kimik3": {"trace": true} in the request).
 //
 // SAME TOKENS AS `kimik3 run`
@@ -97,6 +100,7 @@ inline const char* kServeUsage =
     "  --context N       positions a conversation may reach (default 4096)\n"
     "  --queue N         requests that may wait while one generates (default 4; more get 503)\n"
     "  --max-body SIZE   largest request body (default 4M; larger gets 413)\n"
+    "  --speculate N     speculative decoding, as for kimik3 run: the same replies, bit for bit, in fewer steps\n"
     "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --quiet           no request log on stderr\n"
     "\n"
@@ -164,9 +168,9 @@ inline ssize_t serve_failing_pread(int fd, void* buf, std::size_t n, off_t off) 
 
 class Engine {
   public:
-    Engine(Model& model, const Tokenizer& tok, std::size_t context, std::size_t queue_limit, int threads)
-        : model_(model), tok_(tok), context_(context), queue_limit_(queue_limit), threads_(threads), live_(model.config, context),
-          stops_(stop_tokens(tok)) {
+    Engine(Model& model, const Tokenizer& tok, std::size_t context, std::size_t queue_limit, int threads, std::size_t speculate = 0)
+        : model_(model), tok_(tok), context_(context), queue_limit_(queue_limit), threads_(threads), speculate_(speculate),
+          live_(model.config, context), stops_(stop_tokens(tok)) {
         std::uint64_t kda = 0;
         for (const auto& k : live_.kda)
             if (k) kda += k->bytes();
@@ -280,10 +284,13 @@ class Engine {
         return 0;
     }
 
+    // The trace of the token chosen from row `row` of a step's logits (a verify step has one row per token
+    // it fed, a prompt step one, for its last token).
     nlohmann::ordered_json step_json(const StepRecord& r, const IoSnapshot& before, const IoSnapshot& after, std::size_t index,
-                                     std::size_t fed, double seconds) const {
+                                     std::size_t fed, double seconds, std::size_t row) const {
         const Config& c = model_.config;
-        const std::size_t t = r.tokens - 1;  // the token whose logits were sampled
+        const std::size_t n = r.out_candidates, rows = r.out_mix.size() / std::max<std::size_t>(n, 1);
+        const std::size_t t = r.tokens - rows + row;  // the step's token whose logits were sampled
         nlohmann::ordered_json layers = nlohmann::ordered_json::array();
         for (std::size_t l = 0; l < r.layers.size(); ++l) {
             const StepRecord::Layer& L = r.layers[l];
@@ -298,7 +305,6 @@ class Engine {
             }
             layers.push_back(std::move(j));
         }
-        const std::size_t n = r.out_candidates, last = r.out_mix.size() / std::max<std::size_t>(n, 1) - 1;
         return {{"index", index},
                 {"tokens_fed", fed},
                 {"seconds", seconds},
@@ -311,12 +317,13 @@ class Engine {
                   {"expert_misses", after.cache.misses - before.cache.misses},
                   {"expert_evictions", after.cache.evictions - before.cache.evictions}}},
                 {"layers", std::move(layers)},
-                {"out_mix", std::vector<float>(r.out_mix.begin() + long(last * n), r.out_mix.begin() + long((last + 1) * n))}};
+                {"out_mix", std::vector<float>(r.out_mix.begin() + long(row * n), r.out_mix.begin() + long((row + 1) * n))}};
     }
 
+    // One request: the live session made a prefix of the prompt, then chapter 13's decode loop (with
+    // chapter 16's prompt lookup under --speculate), every token an event as soon as it is chosen.
     void run(Job& job) {
         const GenRequest& q = job.req;
-        const std::size_t V = std::size_t(model_.config.vocab_size);
         Event start;
         start.kind = Event::started;
         start.queue_seconds = seconds_since(job.submitted);
@@ -326,31 +333,32 @@ class Engine {
             start.reused = reused;
             job.push(start);
             const std::vector<std::int64_t> fresh(q.prompt.begin() + long(reused), q.prompt.end());
-            std::vector<float> last(V);
-            StepRecord rec;
-            StepRecord* rp = q.trace ? &rec : nullptr;
-            IoSnapshot before = io_snapshot(model_);
-            auto t_step = std::chrono::steady_clock::now();
-            for (std::size_t t0 = 0; t0 < fresh.size(); t0 += 32)
-                forward(last.data(), model_, live_, &fresh[t0], std::min<std::size_t>(32, fresh.size() - t0), false, rp);
-            const double prefill = seconds_since(t_step);
-            if (mark_enabled_) mark_ = Mark{live_.tokens, live_.kda};
             SamplingParams sp = q.sampling;  // the token at position p draws output p of the seed's stream (chapter 15)
             sp.seed = q.seed;
             ReplyReader reader(tok_, q.chat, q.thinking);
+            Utf8Stream raw;  // each token's own text, markup included (the page shows it)
             StopMatcher stop(q.stop);
-            std::size_t drawn = 0, fed = fresh.size();
+            StepRecord rec;
+            PromptLookup drafter{.max_draft = speculate_};
+            // the step being read: its index (0: the prompt), the next row of its logits, its reads and time
+            std::size_t drawn = 0, step = 0, row = 0;
+            IoSnapshot before = io_snapshot(model_), after = before;
+            auto t_step = std::chrono::steady_clock::now();
+            double step_seconds = 0, prefill = 0;
             std::string finish = "length";
-            const auto t_decode = std::chrono::steady_clock::now();
-            for (; drawn < q.max_tokens;) {
-                const std::int64_t id = std::int64_t(sample(last, sp, live_.position()));
+            auto t_decode = t_step;
+            DecodeHooks hooks;
+            hooks.record = q.trace ? &rec : nullptr;
+            hooks.cancelled = [&] { return job.cancelled.load(); };
+            if (speculate_) hooks.draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return drafter(seq, room); };
+            hooks.token = [&](std::int64_t id) {
                 ++drawn;
                 Event e;
                 e.kind = Event::token;
                 e.id = id;
                 const std::uint32_t u = std::uint32_t(id);
                 const bool is_stop = !q.ignore_eos && stops_.contains(u);
-                e.piece = reader.piece(u);
+                e.piece = raw.push(u < tok_.vocab_size() ? std::string(tok_.token_bytes(u)) : std::string());
                 if (!is_stop) {
                     ReplyReader::Delta d = reader.push(u);
                     e.content = stop.push(d.content);
@@ -362,18 +370,25 @@ class Engine {
                     e.reasoning += d.reasoning;
                     e.content += stop.finish();
                 }
-                if (q.trace) e.step = step_json(rec, before, io_snapshot(model_), drawn - 1, fed, seconds_since(t_step));
-                job.push(std::move(e));
-                if (is_stop || stop.stopped) {
-                    finish = "stop";
-                    break;
+                if (q.trace) {
+                    if (row == 0) after = io_snapshot(model_), step_seconds = seconds_since(t_step);
+                    e.step = step_json(rec, before, after, step, step ? rec.tokens : fresh.size(), step_seconds, row++);
                 }
-                if (drawn == q.max_tokens || job.cancelled) break;
+                job.push(std::move(e));
+                if (is_stop || stop.stopped) finish = "stop";
+                return finish != "stop";
+            };
+            hooks.step = [&](const DecodeStep&) {
+                if (step++ == 0) {  // the prompt is in: keep the mark there
+                    prefill = seconds_since(t_step);
+                    if (mark_enabled_) mark_ = Mark{live_.tokens, live_.kda};
+                    t_decode = std::chrono::steady_clock::now();
+                }
+                row = 0;
                 before = io_snapshot(model_);
                 t_step = std::chrono::steady_clock::now();
-                forward(last.data(), model_, live_, &id, 1, false, rp);
-                fed = 1;
-            }
+            };
+            decode(model_, live_, fresh, {.max_new = q.max_tokens}, sampler(sp), hooks);
             if (job.cancelled && finish != "stop" && drawn < q.max_tokens)
                 std::fprintf(stderr, "kimik3 serve: the client left after %zu of %zu tokens: generation stopped\n", drawn, q.max_tokens);
             Event d;
@@ -405,6 +420,7 @@ class Engine {
     const Tokenizer& tok_;
     std::size_t context_, queue_limit_;
     int threads_;
+    std::size_t speculate_;  // --speculate: prompt lookup drafts per step (0: one token per step)
     Session live_;
     std::optional<Mark> mark_;
     bool mark_enabled_ = false;
@@ -680,7 +696,7 @@ inline int cmd_serve(std::vector<std::string> args) {
                       context_arg = take_option(args, "--context", kServeUsage), threads_arg = take_option(args, "--threads", kServeUsage),
                       key = take_option(args, "--api-key", kServeUsage), name_arg = take_option(args, "--model-name", kServeUsage),
                       queue_arg = take_option(args, "--queue", kServeUsage), body_arg = take_option(args, "--max-body", kServeUsage),
-                      trunk = take_option(args, "--trunk", kServeUsage);
+                      trunk = take_option(args, "--trunk", kServeUsage), speculate_arg = take_option(args, "--speculate", kServeUsage);
     const bool no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
     for (const std::string& a : args)
         if (a.rfind("-", 0) == 0) throw Usage("unknown option '" + a + "'\n\n" + kServeUsage);
@@ -693,6 +709,9 @@ inline int cmd_serve(std::vector<std::string> args) {
     const std::uint64_t max_body = body_arg.empty() ? 4u << 20 : parse_size(body_arg);
     if (max_body < 64) throw Usage(std::string("--max-body must be at least 64 bytes\n\n") + kServeUsage);
     const int threads = threads_arg.empty() ? 0 : int(parse_count(threads_arg, "--threads", kServeUsage, 4096));
+    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kServeUsage, 32));
+    if (!speculate_arg.empty() && speculate == 0)
+        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kServeUsage);
     if (!key.empty() && key.find_first_of(" \t\r\n") != std::string::npos) throw Usage(std::string("--api-key must not contain spaces\n\n") + kServeUsage);
     std::string name = name_arg;
     if (name.empty()) {
@@ -716,7 +735,7 @@ inline int cmd_serve(std::vector<std::string> args) {
         if (std::sscanf(f, "%ld:%ld", &n, &m) != 2 || n < 0 || m < 1) throw Usage("KIMIK3_TEST_FAIL_SERVE_READS must be N:M\n");
         g_serve_fail_from = n, g_serve_fail_count = m, detail::pread_hook = serve_failing_pread;
     }
-    Engine engine(model, tok, context, queue, threads);
+    Engine engine(model, tok, context, queue, threads, speculate);
     ServeContext cx{tok, model, engine, ServeLimits{name, context, std::size_t(model.config.vocab_size)}, quiet, std::int64_t(std::time(nullptr))};
 
     httplib::Server svr;

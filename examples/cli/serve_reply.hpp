@@ -273,64 +273,8 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
 // ---------------------------------------------------------------------------------------------------
 // Reading the reply: the chat format's channels, and stop sequences
 // ---------------------------------------------------------------------------------------------------
-// In the chat format the reply is XTML: text inside [<|open|>]think[<|sep|>] ... [<|close|>]think[<|sep|>]
-// is reasoning, other body text is content, tag text and the three markers are structure. In raw mode
-// every token is content (specials by name).
-class ReplyReader {
-  public:
-    struct Delta {
-        std::string content, reasoning;
-    };
-    ReplyReader(const Tokenizer& tok, bool chat, bool thinking) : tok_(tok), chat_(chat), in_think_(chat && thinking) {
-        if (chat) open_ = tok.special_id("<|open|>"), close_ = tok.special_id("<|close|>"), sep_ = tok.special_id("<|sep|>");
-    }
-    // The token's own text (for the page), complete UTF-8 characters only.
-    std::string piece(std::uint32_t id) { return raw_.push(bytes(id)); }
-    Delta push(std::uint32_t id) {
-        Delta d;
-        if (chat_ && (id == open_ || id == close_)) {
-            mode_ = id == open_ ? OpenTag : CloseTag;
-            tag_.clear();
-            flush(d);
-            return d;
-        }
-        if (chat_ && id == sep_) {
-            if (mode_ != Body) {
-                const std::string name = tag_.substr(0, tag_.find(' '));
-                if (name == "think") in_think_ = mode_ == OpenTag;
-                mode_ = Body;
-            }
-            return d;
-        }
-        if (mode_ != Body) {
-            tag_ += bytes(id);
-            return d;
-        }
-        (in_think_ ? d.reasoning : d.content) = (in_think_ ? reasoning_ : content_).push(bytes(id));
-        return d;
-    }
-    Delta finish() {
-        Delta d;
-        flush(d);
-        return d;
-    }
-
-  private:
-    enum Mode { Body, OpenTag, CloseTag };
-    std::string bytes(std::uint32_t id) const { return id < tok_.vocab_size() ? std::string(tok_.token_bytes(id)) : std::string(); }
-    void flush(Delta& d) {
-        d.content += content_.finish();
-        d.reasoning += reasoning_.finish();
-    }
-    const Tokenizer& tok_;
-    bool chat_;
-    bool in_think_;
-    std::uint32_t open_ = 0, close_ = 0, sep_ = 0;
-    Mode mode_ = Body;
-    std::string tag_;
-    Utf8Stream content_, reasoning_, raw_;
-};
-
+// The chat format's channels (reasoning, content, markup by token id) are chapter 15's ReplyReader
+// (chapters/15a_reply.hpp), which chat and run show replies with too.
 // Holds back content that may be the start of a stop sequence; cuts at the first complete one.
 class StopMatcher {
   public:
