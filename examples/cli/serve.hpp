@@ -116,7 +116,8 @@ struct Event {
     std::int64_t id = 0;
     std::string piece, content, reasoning;
     nlohmann::ordered_json step;         // the trace of the step that produced the token (trace only)
-    std::string finish_reason;           // done: stop or length
+    std::string finish_reason;           // done: stop, length or tool_calls
+    std::vector<ToolCallOut> calls;      // tool calls completed by this token (serve_api.hpp)
     std::size_t prompt_tokens = 0, completion_tokens = 0, reused = 0;
     double queue_seconds = 0, prefill_seconds = 0, decode_seconds = 0;
     ApiError failure;                    // error
@@ -338,6 +339,7 @@ class Engine {
             SamplingParams sp = q.sampling;  // the token at position p draws output p of the seed's stream (chapter 15)
             sp.seed = q.seed;
             ReplyReader reader(tok_, q.chat, q.thinking);
+            ToolCallReader calls(tok_);  // the reply's tool calls, by token id (serve_api.hpp)
             StopMatcher stop(q.stop);
             std::size_t drawn = 0, fed = fresh.size();
             std::string finish = "length";
@@ -353,6 +355,7 @@ class Engine {
                 e.piece = reader.piece(u);
                 if (!is_stop) {
                     ReplyReader::Delta d = reader.push(u);
+                    if (q.chat) e.calls = calls.push(u);
                     e.content = stop.push(d.content);
                     e.reasoning = d.reasoning;
                 }
@@ -361,7 +364,9 @@ class Engine {
                     e.content += stop.push(d.content);
                     e.reasoning += d.reasoning;
                     e.content += stop.finish();
+                    if (q.chat) for (ToolCallOut& c : calls.finish()) e.calls.push_back(std::move(c));
                 }
+                if (q.tool_choice == "none") e.calls.clear();  // told not to call: what it wrote anyway is not a call (as vLLM)
                 if (q.trace) e.step = step_json(rec, before, io_snapshot(model_), drawn - 1, fed, seconds_since(t_step));
                 job.push(std::move(e));
                 if (is_stop || stop.stopped) {
@@ -378,8 +383,8 @@ class Engine {
                 std::fprintf(stderr, "kimik3 serve: the client left after %zu of %zu tokens: generation stopped\n", drawn, q.max_tokens);
             Event d;
             d.kind = Event::done;
-            d.finish_reason = finish;
-            d.prompt_tokens = q.prompt.size();
+            d.finish_reason = finish == "stop" && calls.count() > 0 && q.tool_choice != "none" ? "tool_calls" : finish;
+            d.prompt_tokens = q.prompt_tokens;
             d.completion_tokens = drawn;
             d.reused = reused;
             d.queue_seconds = start.queue_seconds;
@@ -490,7 +495,7 @@ inline nlohmann::ordered_json usage_json(const Event& d) {
     return {{"prompt_tokens", d.prompt_tokens},
             {"completion_tokens", d.completion_tokens},
             {"total_tokens", d.prompt_tokens + d.completion_tokens},
-            {"prompt_tokens_details", {{"cached_tokens", d.reused}}}};
+            {"prompt_tokens_details", {{"cached_tokens", std::min(d.reused, d.prompt_tokens)}}}};
 }
 
 inline nlohmann::ordered_json timings_json(const Event& d) {
@@ -530,6 +535,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
     if (!q.stream) {
         const int fd = request_socket(req);
         std::string content, reasoning;
+        std::vector<ToolCallOut> tool_calls;
         std::vector<std::int64_t> ids;
         nlohmann::ordered_json steps = nlohmann::ordered_json::array();
         Event e;
@@ -545,6 +551,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
             if (!got) continue;
             if (e.kind == Event::token) {
                 content += e.content, reasoning += e.reasoning, ids.push_back(e.id);
+                tool_calls.insert(tool_calls.end(), e.calls.begin(), e.calls.end());
                 if (q.trace) steps.push_back({{"token", e.id}, {"piece", e.piece}, {"step", std::move(e.step)}});
             }
             if (e.kind == Event::done || e.kind == Event::error) break;
@@ -558,6 +565,8 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
         if (chat) {
             nlohmann::ordered_json msg = {{"role", "assistant"}, {"content", content}};
             if (q.thinking) msg["reasoning_content"] = reasoning;
+            if (!tool_calls.empty()) msg["tool_calls"] = tool_calls_json(tool_calls, 0, false);
+            if (!tool_calls.empty() && content.empty()) msg["content"] = nullptr;
             choice["message"] = msg;
         } else {
             choice["text"] = content;
@@ -586,6 +595,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
     res.set_header("X-Accel-Buffering", "no");
     struct StreamState {
         bool role_sent = false, finished = false;
+        std::size_t calls = 0;  // tool calls streamed so far: the next one's index
     };
     auto st = std::make_shared<StreamState>();
     res.set_chunked_content_provider(
@@ -618,6 +628,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
                 nlohmann::ordered_json delta = nlohmann::ordered_json::object();
                 if (!e.content.empty()) delta["content"] = e.content;
                 if (!e.reasoning.empty()) delta["reasoning_content"] = e.reasoning;
+                if (!e.calls.empty()) delta["tool_calls"] = tool_calls_json(e.calls, st->calls, true), st->calls += e.calls.size();
                 nlohmann::ordered_json c = chunk(chat ? delta : nlohmann::ordered_json(e.content), nullptr);
                 if (q.extension) {
                     c["kimik3"] = {{"token", e.id}, {"piece", e.piece}};
