@@ -33,10 +33,11 @@
 //   none of it unless they ask ("kimik3": {"trace": true} in the request).
 //
 // SAME TOKENS AS `kimik3 run`
-//   Chat requests render with render_chat (thinking off unless the request turns it on); sampling is
+//   Chat requests render as K3's encoder renders them (chapter 15b, serve_api.hpp: tools, tool choice,
+//   response formats; thinking on unless the request turns it off, as K3's API); sampling is
 //   chapter 15's: temperature 0 is greedy, otherwise the token at position p takes output p of `seed`'s SplitMix64 stream (top-k
 //   and top-p as in `run`). So `run --prompt X --seed S --temperature T` and a request with one user
-//   message X and the same seed and temperature draw the same ids (tests/serve.sh checks it).
+//   message X, thinking off, and the same seed and temperature draw the same ids (tests/serve.sh checks it).
 //
 // ENDPOINTS
 //   POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/ID]   GET /health
@@ -104,7 +105,9 @@ inline const char* kServeUsage =
     "Request fields: messages (or prompt), stream, stream_options.include_usage, max_tokens (or\n"
     "max_completion_tokens), temperature (default 1), top_p, top_k, seed (default: random), stop,\n"
     "ignore_eos (true: end-of-turn tokens do not end the reply; for benchmarks and tests),\n"
-    "thinking (true, or {\"type\": \"enabled\"}; default off: replies with it carry reasoning_content),\n"
+    "thinking ({\"type\": \"enabled\" | \"disabled\", \"effort\": low|high|max}, or a boolean; default on: replies carry\n"
+    "reasoning_content), reasoning_effort, chat_template_kwargs {thinking, thinking_effort}, tools (also in a system\n"
+    "message), tool_choice (auto, none, required), response_format (text, json_object, json_schema: told, not enforced),\n"
     "kimik3 ({\"trace\": true}: per-token token ids, experts, depth weights and I/O).\n"
     "Stop with Ctrl-C (SIGINT) or SIGTERM. Exit codes as for run.\n";
 
