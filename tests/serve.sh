@@ -151,18 +151,6 @@ check "chat with thinking: reasoning_content, and run --think's ids" jq -e --arg
 post "$URL" /v1/chat/completions "{\"messages\":$(msg "Think first."),\"max_tokens\":8,\"temperature\":0,\"kimik3\":{}}" >/dev/null
 check "chat: thinking is on unless turned off (K3's default): the same ids as with thinking enabled" \
     jq -e --argjson want "$think_run" '(.choices[0].message.reasoning_content | type) == "string" and .kimik3.ids == $want' "$tmp/body"
-tools='[{"type": "function", "function": {"name": "get_weather", "description": "Get the weather of a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]'
-st=$(post "$URL" /v1/chat/completions "{\"messages\":[{\"role\":\"system\",\"content\":\"\",\"tools\":$tools},{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"},\"max_tokens\":4,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
-check "chat with dynamic tools, tool_choice required, json_object: 200" same "$st" 200
-prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
-check "... the prompt holds the encoder's tool-declare, tool-choice and response-format messages" sh -c \
-    "printf '%s' \"\$1\" | grep -q 'type=\"tool-declare\"<|sep|>## New Tools Available' && printf '%s' \"\$1\" | grep -q 'tool_choice=required' && printf '%s' \"\$1\" | grep -q 'response_format=json_object'" _ "$prompt_text"
-history='[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]'
-st=$(post "$URL" /v1/chat/completions "{\"messages\":$history,\"tools\":$tools,\"max_tokens\":2,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
-prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
-check "a tool call and its result render as the encoder's call and tool message" sh -c \
-    "printf '%s' \"\$1\" | grep -q '<|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument' && printf '%s' \"\$1\" | grep -q 'message role=\"tool\" tool=\"get_weather\" index=\"1\"<|sep|>18 C'" _ "$prompt_text"
-
 # ---- the other endpoints ---------------------------------------------------------------------------------
 check "GET /v1/models lists the model" sh -c "[ \"\$(curl -s --max-time 10 '$URL/v1/models' | jq -r '.object + \" \" + .data[0].id + \" \" + .data[0].object')\" = 'list $name model' ]"
 check "GET /v1/models/$name" same "$(get "$URL/v1/models/$name")" 200
@@ -237,7 +225,7 @@ check "trace: the first step fed the prompt, later steps one token" \
 
 # ---- a client that disconnects stops its generation; the next request is served -------------------------
 curl -s -N --max-time 60 -H 'Content-Type: application/json' \
-    --data-binary "{\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
+    --data-binary "{\"thinking\":false,\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
     "$URL/v1/chat/completions" | head -c 600 >/dev/null
 freed=0
 for _ in $(seq 100); do
@@ -245,16 +233,29 @@ for _ in $(seq 100); do
     sleep 0.05
 done
 check "disconnect: the server is free again within 5 s" same "$freed" 1
-check "disconnect: the next request is served" same "$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
+check "disconnect: the next request is served" same "$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
 kill "$SPID"
 wait "$SPID" 2>/dev/null
 check "disconnect: the generation stopped early (server log)" grep -qE "the client left after [0-9]+ of 190 tokens" "$tmp/main.log"
 
 # ---- one at a time: a bounded queue, then 503 with Retry-After --------------------------------------------
 start queue --context 8192 --queue 1 || bad "the queue server did not start"
+# the K3 API contract with tools (under the tiny vocabulary a tool prompt is ~500 ids: this server has room)
+tools='[{"type": "function", "function": {"name": "get_weather", "description": "Get the weather of a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]'
+st=$(post "$URL" /v1/chat/completions "{\"messages\":[{\"role\":\"system\",\"content\":\"\",\"tools\":$tools},{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"},\"max_tokens\":4,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
+check "chat with dynamic tools, tool_choice required, json_object: 200" same "$st" 200
+prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
+check "... the prompt holds the encoder's tool-declare, tool-choice and response-format messages" sh -c \
+    "printf '%s' \"\$1\" | grep -q 'type=\"tool-declare\"<|sep|>## New Tools Available' && printf '%s' \"\$1\" | grep -q 'tool_choice=required' && printf '%s' \"\$1\" | grep -q 'response_format=json_object'" _ "$prompt_text"
+history='[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]'
+st=$(post "$URL" /v1/chat/completions "{\"messages\":$history,\"tools\":$tools,\"max_tokens\":2,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
+prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
+check "a tool call and its result render as the encoder's call and tool message" sh -c \
+    "printf '%s' \"\$1\" | grep -q '<|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument' && printf '%s' \"\$1\" | grep -q 'message role=\"tool\" tool=\"get_weather\" index=\"1\"<|sep|>18 C'" _ "$prompt_text"
+
 # ignore_eos: a model with random weights draws an end-of-turn token within ~150 tokens, too soon for a queue
-long_req="{\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Keep going."),\"max_tokens\":300,\"temperature\":1,\"seed\":2,\"ignore_eos\":true}" >/dev/null
+long_req="{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":300,\"temperature\":1,\"seed\":2,\"ignore_eos\":true}" >/dev/null
 check "ignore_eos: a reply that would end at once (seed 2 stops after 3 tokens) runs to max_tokens" \
     jq -e '.usage.completion_tokens == 300 and .choices[0].finish_reason == "length"' "$tmp/body"
 curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
@@ -270,7 +271,7 @@ wait_health '.busy == true'
 curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
 c2=$!
 if wait_health '.queued == 1'; then
-    st=$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "me too"),\"max_tokens\":2}")
+    st=$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "me too"),\"max_tokens\":2}")
     check "queue full: 503 with an error object" sh -c "[ '$st' = 503 ] && jq -e '.error.code == \"server_overloaded\"' '$tmp/body' >/dev/null"
     check "queue full: Retry-After" grep -qiE '^Retry-After: [0-9]+' "$tmp/headers"
 else
@@ -279,7 +280,7 @@ fi
 kill $c1 $c2 2>/dev/null
 wait $c1 $c2 2>/dev/null
 check "queue: both clients gone, the server is idle again" wait_health '.busy == false and .queued == 0'
-check "queue: and serves the next request" same "$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
+check "queue: and serves the next request" same "$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
 # a client of a reply that is not streamed gives up after a second: its generation stops too
 curl -s --max-time 1 -o /dev/null -H 'Content-Type: application/json' --data-binary "${long_req/\"stream\":true/\"stream\":false}" "$URL/v1/chat/completions"
 check "disconnect, not streamed: the server is idle again within 10 s" wait_health '.busy == false'
@@ -289,8 +290,8 @@ kill "$SPID"
 # ---- --api-key ---------------------------------------------------------------------------------------------
 start key --context 64 --api-key sekrit-key || bad "the key server did not start"
 check "api key: no key, 401" sh -c "[ \"\$(curl -s --max-time 10 -o '$tmp/body' -w '%{http_code}' '$URL/v1/models')\" = 401 ] && jq -e '.error.code == \"invalid_api_key\"' '$tmp/body' >/dev/null"
-check "api key: a wrong key, 401" same "$(post "$URL" /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer nope')" 401
-check "api key: the right key, 200" same "$(post "$URL" /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer sekrit-key')" 200
+check "api key: a wrong key, 401" same "$(post "$URL" /v1/chat/completions '{"thinking":false,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer nope')" 401
+check "api key: the right key, 200" same "$(post "$URL" /v1/chat/completions '{"thinking":false,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer sekrit-key')" 200
 check "api key: /health and the page need none" sh -c "[ \"\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' '$URL/health')\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' '$URL/')\" = 200200 ]"
 kill "$SPID"
 
@@ -298,10 +299,10 @@ kill "$SPID"
 # at the floor every step reads the trunk: read 1001 fails after the first tokens of the first request
 floor=$("$bin" plan "$model" --budget 1 --context 128 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
 FAIL_READS=1000:1 start fail --context 128 --budget "$floor" || bad "the failing server did not start"
-stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
+stream "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
 check "failed read: tokens, then an error event naming the read, no [DONE]" \
     sh -c "grep -q '\"weight_read_failed\"' '$tmp/events' && ! grep -q '^\[DONE\]' '$tmp/events' && [ \$(grep -c '\"token\"' '$tmp/events') -ge 1 ]"
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
 check "failed read: the next request is served with kimik3 run's ids" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
 kill "$SPID"
 
@@ -316,7 +317,7 @@ if [ "${KIMIK3_SERVE_CLIENTS:-0}" != 1 ]; then
     echo "SKIPPED: the openai client and browser tests (they need node, npm and chromium: make test-serve runs them)"
 else
 # ---- a real client: the official openai npm package -----------------------------------------------------------
-start client --context 256 --quiet || bad "the client server did not start"
+start client --context 1024 --quiet || bad "the client server did not start"
 npm_dir=build/serve-npm
 if [ ! -d $npm_dir/node_modules/openai ] && command -v npm >/dev/null; then
     timeout 180 npm install --prefix $npm_dir --no-package-lock --no-save --no-audit --no-fund --loglevel=error openai@6.30.1 >"$tmp/npm.log" 2>&1
