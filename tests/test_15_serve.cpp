@@ -286,11 +286,11 @@ TEST_CASE("15.9 K3 API: malformed tools, tool choices, formats, thinking options
         {R"([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}])", "messages[0].tool_calls[0].function.arguments"},
         {R"([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}])", "messages[0].tool_calls[0].function.name"},
     };
-    for (const auto& [ms, param] : messages) {
-        CAPTURE(ms);
-        const ApiError e = refusal(R"({"thinking": false, "messages": )" + ms + "}");
+    for (const auto& m : messages) {  // (no structured binding: CAPTURE's lambda cannot capture one under clang)
+        CAPTURE(m.first);
+        const ApiError e = refusal(R"({"thinking": false, "messages": )" + m.first + "}");
         CHECK(e.status == 400);
-        CHECK(e.param == param);
+        CHECK(e.param == m.second);
     }
     CHECK(refusal(R"({"thinking": false, "tools": [)" + W + R"(], "messages": [{"role": "system", "content": "", "tools": [)" + W +
                   R"(]}, {"role": "user", "content": "x"}]})").code == "duplicate_tool_name");  // global and dynamic share a name
