@@ -199,13 +199,10 @@ inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOption
     if (!m.name.empty()) attrs.emplace_back("name", m.name);
     if (!m.tool.empty()) attrs.emplace_back("tool", m.tool), attrs.emplace_back("index", std::to_string(m.index));
     w.open("message", attrs);
-    auto body = [&](const std::string& content) {
-        if (m.parts.empty()) w.text(content);
-        for (const std::string& p : m.parts) w.text(p);
-    };
+    auto body = [&] { for (const std::string& p : m.parts.empty() ? std::vector<std::string>{m.content} : m.parts) w.text(p); };
     if (m.role == "assistant") {
         if (opt.thinking) w.open("think"), w.text(is_blank(m.reasoning) ? "" : m.reasoning), w.close("think");
-        w.open("response"), body(m.content), w.close("response");
+        w.open("response"), body(), w.close("response");
         if (!m.tool_calls.empty()) {
             w.open("tools");
             for (std::size_t k = 0; k < m.tool_calls.size(); ++k) {
@@ -220,14 +217,14 @@ inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOption
             w.close("tools");
         }
     } else {
-        body(m.content);
+        body();
     }
     w.close("message");
     w.special("<|end_of_msg|>");
 }
 
 // What opens every chat before its messages: with thinking on and an effort given, the thinking-effort
-// message (the template puts it after a tool declaration, which this chapter does not render).
+// message (after the tool declaration of chapter 15b, when a request has one).
 inline void render_chat_start(ChatWriter& w, const ChatOptions& opt) {
     if (opt.thinking && !opt.thinking_effort.empty())
         render_message(w, ChatMessage{.role = "system", .content = thinking_effort_text(opt.thinking_effort), .type = "thinking-effort"}, opt);
