@@ -6,7 +6,7 @@
 //   Chapter 15 renders messages; an OpenAI-style request carries more: tool declarations (for the whole
 //   request, or inside a system message), a tool choice, a response format, and assistant turns whose
 //   tool calls carry JSON arguments. K3's release renders all of them as internal system messages and
-//   XTML tags (encoding_k3.py, build_chat_segments, in huggingface.co/moonshotai/Kimi-K3; the same code
+//   XTML tags (encoding_k3.py, build_chat_segments, in the Hugging Face repository moonshotai/Kimi-K3; the same code
 //   that vLLM's Kimi K3 renderer calls through the tokenizer's apply_chat_template). This appendix is that
 //   code's rendering, plus the one thing C++ has to add: JSON written byte for byte as Python's json
 //   module writes it, because the JSON is part of the prompt.
