@@ -25,4 +25,5 @@
 #include "chapters/14a_tokenizer_files.hpp" // APPENDIX to 14: tiktoken.model and tokenizer_config.json, read strictly
 #include "chapters/15a_reply.hpp"       // APPENDIX to 15: a reply's text by token id, never its markup
 #include "chapters/15_generate.hpp"     // the XTML chat format, stop tokens, seeded sampling
+#include "chapters/15b_tools.hpp"       // APPENDIX: tools, tool choice, response formats as K3's encoder renders them
 #include "chapters/16_speculative.hpp"  // drafts from the sequence itself, verified in one step, rolled back exactly

@@ -29,31 +29,23 @@
 //               the limit of T -> 0.
 //   top-k/top-p keep the k most likely ids / the smallest most-likely prefix with probability >= p.
 //
-// THE XTML LAYOUT (docs/kimi-k3.md section 4; "[x]" is a special id, everything else BPE-encoded text)
+// THE XTML LAYOUT (the release's encoding_k3.py; "[x]" is a special id, everything else BPE-encoded text)
 //   message     [<|open|>]message role="R"( type="T")( name="N")( tool="F" index="I")[<|sep|>]
 //                 BODY [<|close|>]message[<|sep|>][<|end_of_msg|>]
 //   assistant   BODY = ([<|open|>]think[<|sep|>]REASONING[<|close|>]think[<|sep|>])    when thinking is on
-//                      [<|open|>]response[<|sep|>]TEXT[<|close|>]response[<|sep|>]
-//                      ([<|open|>]tools[<|sep|>] CALL... [<|close|>]tools[<|sep|>])     when it calls tools
-//   call        [<|open|>]call tool="F" index="1"[<|sep|>]
-//                 [<|open|>]argument key="K" type="string"[<|sep|>]V[<|close|>]argument[<|sep|>]...
-//               [<|close|>]call[<|sep|>]
+//                      [<|open|>]response[<|sep|>]TEXT[<|close|>]response[<|sep|>]   (then tool calls: 15b)
 //   prompt      [<|open|>]message role="assistant"[<|sep|>][<|open|>]think[<|sep|>]   (thinking off:
 //               the last part is [<|open|>]response[<|sep|>])
 //   Attribute values escape & -> &amp; and " -> &quot;. No BOS is prepended. Text is encoded with
 //   specials NOT recognised, so a user who types "<|open|>" gets plain text ids.
 //
 // CONTRACT
-//   1. Rendering is deterministic; messages appear in the order given; nothing is added that the
-//      docs/kimi-k3.md does not describe. Choices where it is silent, each tested: the attribute order
-//      role, type, name, tool, index; call indices count from 1 in order; with thinking on, every
-//      assistant message gets a think block (empty when it has no reasoning); with thinking off none
-//      does; reasoning that is only whitespace renders as an empty think block (the template trims it
-//      to test it). With thinking on, the chat opens with the thinking-effort system message, effort
-//      "max" unless the caller picks low, medium, high or none, in the exact wording of K3's chat
-//      template (llama.cpp, models/templates/Kimi-K3.jinja). Other internal system messages
-//      (type="tool-declare", "tool-choice", "response-format") are ordinary messages whose body the
-//      caller supplies.
+//   1. Rendering is the encoder's, segment for segment (test 15.2 compares the segments the release
+//      produced, google-deepmind/simply's kimi_k3_chat_goldens.json): attributes in the order role,
+//      type, name, tool, index, each as four segments; with thinking on every assistant message gets a
+//      think block (empty when its reasoning is only whitespace), with it off none does; with thinking
+//      on the chat opens with the thinking-effort message (effort max unless low, high or none). Tools,
+//      tool choice and response formats: chapter 15b.
 //   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
 //      and draws nothing. Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
 //      ties lower id first; keep the first top_k (0 = all); e_j = exp(z_j - z_0); S = the 16-lane sum
@@ -95,11 +87,13 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <streambuf>
-#include <tuple>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <string_view>
 #include <vector>
 
@@ -115,13 +109,14 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 struct ToolArgument {
     std::string key{};
-    std::string type = "string";             // written as given: docs/kimi-k3.md shows only "string"
-    std::string value{};                     // the argument's text, already formatted by the caller
+    std::string type = "string";             // the value's JSON type: string, number, boolean, null, object, array
+    std::string value{};                     // strings as they are, other types as JSON text (chapter 15b)
 };
 
-struct ToolCall {
-    std::string tool{};                      // the function name: tool="..."
-    std::vector<ToolArgument> arguments{};   // in this order
+struct ToolCall {  // arguments in order, or (text that is not a JSON object) one json block instead
+    std::string tool{};
+    std::vector<ToolArgument> arguments{};
+    std::optional<std::string> json_block{};
 };
 
 struct ChatMessage {
@@ -133,22 +128,20 @@ struct ChatMessage {
     int index = 0;                           // tool messages: index="..." (written when tool is set)
     std::string reasoning{};                 // assistant: the think block's text
     std::vector<ToolCall> tool_calls{};      // assistant: index="1", "2", ... in this order
+    std::vector<std::string> parts{};        // when not empty, the body instead of content: one text segment each
 };
 
 struct ChatOptions {
     bool thinking = true;                // K3's default
     bool add_generation_prompt = true;   // end with the opening of the assistant's reply
-    // With thinking on, the chat opens with the internal system message that tells the model how much to
-    // think: "low", "medium", "high" or "max" (the template's default), or "" for none (the template's
-    // thinking_effort=None).
-    std::string thinking_effort = "max";
+    std::string thinking_effort = "max";  // with thinking on: low, high, max (apply_chat_template's default) or "" (none)
 };
 
-// The thinking-effort message's body, word for word as K3's chat template writes it (llama.cpp
-// models/templates/Kimi-K3.jinja, the `internal_system_message('thinking-effort', ...)` call).
+// The thinking-effort message's body, word for word as K3's encoder writes it (encoding_k3.py,
+// build_chat_segments). Its text names `medium`, but the encoder accepts only low, high and max.
 inline std::string thinking_effort_text(std::string_view effort) {
-    if (effort != "low" && effort != "medium" && effort != "high" && effort != "max")
-        fail(ErrorKind::usage, "thinking effort '" + std::string(effort) + "' is not one of low, medium, high, max");
+    if (effort != "low" && effort != "high" && effort != "max")
+        fail(ErrorKind::usage, "thinking effort '" + std::string(effort) + "' is not one of low, high, max");
     return "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
            "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=" +
            std::string(effort) + "`.";
@@ -168,28 +161,32 @@ inline std::string escape_attribute(std::string_view v) {
     return out;
 }
 
-// Appends segments to an id list. Text goes through Tokenizer::encode (specials never recognised);
-// markers are looked up by name, so a vocabulary without them fails loudly at the first use.
+// Appends segments (text through Tokenizer::encode, specials never recognised; markers by name) to an id
+// list. An attribute is four segments, ` key` `="` value `"`, each encoded alone as the encoder's _attr does.
+using Attributes = std::vector<std::pair<std::string, std::string>>;
 class ChatWriter {
   public:
     explicit ChatWriter(const Tokenizer& tok) : tok_(tok) {}
-    void special(std::string_view name) { ids_.push_back(tok_.special_id(name)); }
+    void special(std::string_view name) { ids_.push_back(tok_.special_id(name)), segments_.emplace_back(name, true); }
     void text(std::string_view s) {
+        if (s.empty()) return;  // the encoder drops empty segments
         const std::vector<std::uint32_t> t = tok_.encode(s);
-        ids_.insert(ids_.end(), t.begin(), t.end());
+        ids_.insert(ids_.end(), t.begin(), t.end()), segments_.emplace_back(s, false);
     }
-    void open(std::string_view tag) { special("<|open|>"), text(tag), special("<|sep|>"); }     // [<|open|>]tag[<|sep|>]
+    void open(std::string_view tag, const Attributes& attrs = {}) {  // [<|open|>]tag key="v"...[<|sep|>]
+        special("<|open|>"), text(tag);
+        for (const auto& [k, v] : attrs) text(" " + k), text("=\""), text(escape_attribute(v)), text("\"");
+        special("<|sep|>");
+    }
     void close(std::string_view tag) { special("<|close|>"), text(tag), special("<|sep|>"); }   // [<|close|>]tag[<|sep|>]
     const std::vector<std::uint32_t>& ids() const { return ids_; }
+    const std::vector<std::pair<std::string, bool>>& segments() const { return segments_; }  // (text, is a marker)
 
   private:
     const Tokenizer& tok_;
     std::vector<std::uint32_t> ids_;
+    std::vector<std::pair<std::string, bool>> segments_;
 };
-
-inline std::string xtml_attribute(std::string_view key, std::string_view value) {
-    return " " + std::string(key) + "=\"" + escape_attribute(value) + "\"";
-}
 
 // Whether a reasoning text is only whitespace (Python's str.isspace, as the template's `trim` filter sees
 // it): such reasoning renders as an empty think block, as both of K3's renderers do.
@@ -203,33 +200,37 @@ inline bool is_blank(std::string_view s) {
 }
 
 inline void render_message(ChatWriter& w, const ChatMessage& m, const ChatOptions& opt) {
-    std::string tag = "message" + xtml_attribute("role", m.role);
-    if (!m.type.empty()) tag += xtml_attribute("type", m.type);
-    if (!m.name.empty()) tag += xtml_attribute("name", m.name);
-    if (!m.tool.empty()) tag += xtml_attribute("tool", m.tool) + xtml_attribute("index", std::to_string(m.index));
-    w.open(tag);
+    Attributes attrs = {{"role", m.role}};
+    if (!m.type.empty()) attrs.emplace_back("type", m.type);
+    if (!m.name.empty()) attrs.emplace_back("name", m.name);
+    if (!m.tool.empty()) attrs.emplace_back("tool", m.tool), attrs.emplace_back("index", std::to_string(m.index));
+    w.open("message", attrs);
+    auto body = [&] { for (const std::string& p : m.parts.empty() ? std::vector<std::string>{m.content} : m.parts) w.text(p); };
     if (m.role == "assistant") {
         if (opt.thinking) w.open("think"), w.text(is_blank(m.reasoning) ? "" : m.reasoning), w.close("think");
-        w.open("response"), w.text(m.content), w.close("response");
+        w.open("response"), body(), w.close("response");
         if (!m.tool_calls.empty()) {
             w.open("tools");
             for (std::size_t k = 0; k < m.tool_calls.size(); ++k) {
-                w.open("call" + xtml_attribute("tool", m.tool_calls[k].tool) + xtml_attribute("index", std::to_string(k + 1)));
-                for (const ToolArgument& a : m.tool_calls[k].arguments)
-                    w.open("argument" + xtml_attribute("key", a.key) + xtml_attribute("type", a.type)), w.text(a.value), w.close("argument");
+                const ToolCall& c = m.tool_calls[k];
+                w.open("call", {{"tool", c.tool}, {"index", std::to_string(k + 1)}});
+                if (c.json_block) w.open("json", {{"type", "object"}}), w.text(*c.json_block), w.close("json");
+                else
+                    for (const ToolArgument& a : c.arguments)
+                        w.open("argument", {{"key", a.key}, {"type", a.type}}), w.text(a.value), w.close("argument");
                 w.close("call");
             }
             w.close("tools");
         }
     } else {
-        w.text(m.content);
+        body();
     }
     w.close("message");
     w.special("<|end_of_msg|>");
 }
 
 // What opens every chat before its messages: with thinking on and an effort given, the thinking-effort
-// message (the template puts it after a tool declaration, which this chapter does not render).
+// message (after the tool declaration of chapter 15b, when a request has one).
 inline void render_chat_start(ChatWriter& w, const ChatOptions& opt) {
     if (opt.thinking && !opt.thinking_effort.empty())
         render_message(w, ChatMessage{.role = "system", .content = thinking_effort_text(opt.thinking_effort), .type = "thinking-effort"}, opt);
@@ -240,7 +241,7 @@ inline std::vector<std::uint32_t> render_chat(const Tokenizer& tok, std::span<co
     ChatWriter w(tok);
     render_chat_start(w, opt);
     for (const ChatMessage& m : messages) render_message(w, m, opt);
-    if (opt.add_generation_prompt) w.open("message" + xtml_attribute("role", "assistant")), w.open(opt.thinking ? "think" : "response");
+    if (opt.add_generation_prompt) w.open("message", {{"role", "assistant"}}), w.open(opt.thinking ? "think" : "response");
     return w.ids();
 }
 
@@ -415,7 +416,7 @@ std::vector<std::int64_t> chat_turn_with(Chat& chat, const Tokenizer& tok, const
     ChatWriter w(tok);
     const ChatMessage m{"user", user};
     render_message(w, m, chat.options);
-    w.open("message" + xtml_attribute("role", "assistant")), w.open(chat.options.thinking ? "think" : "response");
+    w.open("message", {{"role", "assistant"}}), w.open(chat.options.thinking ? "think" : "response");
     std::vector<std::int64_t> fresh = chat.pending;
     fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
     // Refused before anything is fed, so a refused turn leaves the conversation as it was: the message,

@@ -227,7 +227,7 @@ check "detokenize writes a NUL byte and what follows it" [ "$(bounded "$bin" det
 expect "tokenize: '-' is text" 0 "^45$" "$bin" tokenize "$tiny" -
 expect "tokenize --stdin reads standard input" 0 "^45$" sh -c "printf '%s' - | '$bin' tokenize '$tiny' --stdin"
 expect "tokenize --text takes a text that looks like an option" 0 "^45,45,258,108,112$" "$bin" tokenize "$tiny" --text --help
-expect "--think-effort must be one of the template's values" 2 "--think-effort: 'extreme' is not one of low, medium, high, max, none" \
+expect "--think-effort must be one of the template's values" 2 "--think-effort: 'extreme' is not one of low, high, max, none" \
     "$bin" run "$tiny" --prompt hi --think --think-effort extreme
 prompt_len() { bounded "$bin" run "$tiny" --prompt hi --gen 1 --quiet --out "$tmp/p.json" "$@" > /dev/null 2>&1; tr -d ' \n' < "$tmp/p.json" | grep -o '"prompt_ids":\[[0-9,]*\]' | tr -cd , | wc -c; }
 with=$(prompt_len --think); without=$(prompt_len --think --think-effort none)

@@ -93,14 +93,16 @@ sampled_run=$(run_ids --prompt "Tell me about experts." --gen 16 --temperature 0
 
 start main --context 256 --max-body 64K --quiet || { echo "kimik3-tests: serve.sh $pass passed, $((fail + 1)) failed"; exit 1; }
 msg() { jq -nc --arg t "$1" '[{role: "user", content: $t}]'; }
+# the reply stub that usage.prompt_tokens leaves out: <|open|>response<|sep|> (3 ids in K3's vocabulary)
+stub=$(( $("$bin" tokenize "$model" response 2>/dev/null | tr ',' '\n' | wc -l) + 2 ))
 
-st=$(post "$URL" /v1/chat/completions "{\"model\":\"$name\",\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}")
+st=$(post "$URL" /v1/chat/completions "{\"model\":\"$name\",\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
 check "chat, not streamed: 200" same "$st" 200
 cp "$tmp/body" "$tmp/greedy.json"
 check "chat, not streamed: the prompt is run's (render_chat)" same "$(jq -c '.kimik3.prompt_ids' "$tmp/greedy.json")" "$greedy_prompt"
 check "chat, not streamed, greedy: the same ids as kimik3 run" same "$(jq -c '.kimik3.ids' "$tmp/greedy.json")" "$greedy_run"
 check "chat: object, model, one choice with an assistant message" jq -e '.object == "chat.completion" and .model == "'"$name"'" and (.choices | length) == 1 and .choices[0].message.role == "assistant" and (.choices[0].message.content | type) == "string" and (.id | startswith("chatcmpl-"))' "$tmp/greedy.json"
-check "chat: usage counts the prompt and every drawn token" jq -e '.usage.prompt_tokens == (.kimik3.prompt_ids | length) and .usage.completion_tokens == (.kimik3.ids | length) and .usage.total_tokens == .usage.prompt_tokens + .usage.completion_tokens' "$tmp/greedy.json"
+check "chat: usage counts the prompt (less the reply stub, as Moonshot) and every drawn token" jq -e --argjson stub "$stub" '.usage.prompt_tokens == (.kimik3.prompt_ids | length) - $stub and .usage.completion_tokens == (.kimik3.ids | length) and .usage.total_tokens == .usage.prompt_tokens + .usage.completion_tokens' "$tmp/greedy.json"
 # finish_reason: stop when the last id is <|end_of_msg|> or [EOS], else length (12 tokens drawn)
 last=$(jq '.kimik3.ids[-1]' "$tmp/greedy.json")
 last_name=$("$bin" detokenize "$model" "$last" 2>/dev/null)
@@ -108,18 +110,18 @@ want_finish=length
 case "$last_name" in "<|end_of_msg|>" | "[EOS]") want_finish=stop ;; esac
 check "chat: finish_reason is $want_finish" same "$(jq -r '.choices[0].finish_reason' "$tmp/greedy.json")" "$want_finish"
 check "chat: no reasoning_content unless thinking is on" jq -e '.choices[0].message | has("reasoning_content") | not' "$tmp/greedy.json"
-st=$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0}")
+st=$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"thinking\":false}")
 check "chat: without the kimik3 field, no extension data" jq -e 'has("kimik3") | not' "$tmp/body"
 check "chat: the same content again (greedy, state reused or not)" same "$(jq -c '.choices[0].message.content' "$tmp/body")" "$(jq -c '.choices[0].message.content' "$tmp/greedy.json")"
 
-stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"stream\":true,\"stream_options\":{\"include_usage\":true},\"kimik3\":{}}"
+stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"thinking\":false,\"stream\":true,\"stream_options\":{\"include_usage\":true},\"kimik3\":{}}"
 check "chat, streamed, sampled (seed 42): the same ids as kimik3 run" same "$(grep -v '^\[DONE\]' "$tmp/events" | jq -sc '[.[] | .kimik3.token // empty]')" "$sampled_run"
 check "chat, streamed: ends with [DONE]" same "$(tail -n 1 "$tmp/events")" "[DONE]"
 check "chat, streamed: one chunk per token, the first with the role, one finish_reason, then usage" \
     jq -se --argjson want "$sampled_run" '([.[] | select(.kimik3.token != null)] | length) == ($want | length) and .[0].choices[0].delta.role == "assistant" and (map(select((.choices | length) > 0 and .choices[0].finish_reason != null)) | length) == 1 and .[-1].usage.completion_tokens == ($want | length) and (.[-1].choices | length) == 0 and all(.[]; .object == "chat.completion.chunk")' \
     <(grep -v '^\[DONE\]' "$tmp/events")
 streamed_text=$(grep -v '^\[DONE\]' "$tmp/events" | jq -sr '[.[] | .choices[0].delta.content // empty] | join("")')
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42}" >/dev/null
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"thinking\":false}" >/dev/null
 check "chat: streamed and not streamed give the same text" same "$(jq -r '.choices[0].message.content' "$tmp/body")" "$streamed_text"
 
 # a stop sequence: a piece of the greedy reply's text; the reply ends just before its first occurrence
@@ -127,7 +129,7 @@ text=$(jq -r '.choices[0].message.content' "$tmp/greedy.json")
 if [ ${#text} -ge 6 ]; then
     stop=${text:2:3}
     before=${text%%"$stop"*}
-    post "$URL" /v1/chat/completions "$(jq -nc --arg s "$stop" --argjson m "$(msg "Hello, tiny K3")" '{messages: $m, max_tokens: 12, temperature: 0, stop: [$s]}')" >/dev/null
+    post "$URL" /v1/chat/completions "$(jq -nc --arg s "$stop" --argjson m "$(msg "Hello, tiny K3")" '{messages: $m, max_tokens: 12, temperature: 0, thinking: false, stop: [$s]}')" >/dev/null
     check "chat: a stop sequence cuts the reply before it, finish_reason stop" \
         jq -e --arg b "$before" '.choices[0].message.content == $b and .choices[0].finish_reason == "stop"' "$tmp/body"
 else
@@ -145,6 +147,10 @@ post "$URL" /v1/chat/completions "{\"messages\":$(msg "Think first."),\"max_toke
 think_run=$(run_ids --prompt "Think first." --think --gen 8)
 check "chat with thinking: reasoning_content, and run --think's ids" jq -e --argjson want "$think_run" '(.choices[0].message.reasoning_content | type) == "string" and .kimik3.ids == $want' "$tmp/body"
 
+# ---- the K3 API contract: thinking on by default; tools, tool_choice, response_format rendered ----------------
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Think first."),\"max_tokens\":8,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+check "chat: thinking is on unless turned off (K3's default): the same ids as with thinking enabled" \
+    jq -e --argjson want "$think_run" '(.choices[0].message.reasoning_content | type) == "string" and .kimik3.ids == $want' "$tmp/body"
 # ---- the other endpoints ---------------------------------------------------------------------------------
 check "GET /v1/models lists the model" sh -c "[ \"\$(curl -s --max-time 10 '$URL/v1/models' | jq -r '.object + \" \" + .data[0].id + \" \" + .data[0].object')\" = 'list $name model' ]"
 check "GET /v1/models/$name" same "$(get "$URL/v1/models/$name")" 200
@@ -176,33 +182,38 @@ expect_error "a prompt over the context" 400 context_length_exceeded /v1/chat/co
 big=$(head -c 100000 /dev/zero | tr '\0' 'a')
 expect_error "a body over --max-body: 413" 413 request_too_large /v1/chat/completions "{\"messages\": $(msg "$big")}"
 expect_error "n = 2 is refused, not ignored" 400 unsupported_value /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "n": 2}'
-expect_error "tools are refused, not ignored" 400 unsupported_parameter /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}'
+expect_error "a tool without its function" 400 missing_required_parameter /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}'
+expect_error "tool_choice required without tools" 400 invalid_value /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}'
+expect_error "a named tool_choice (K3 has no rendering for it)" 400 unsupported_value /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}'
+expect_error "a tool result without tool_call_id" 400 missing_required_parameter /v1/chat/completions '{"messages": [{"role": "tool", "content": "r"}, {"role": "user", "content": "hi"}]}'
+expect_error "response_format json_schema without a schema" 400 missing_required_parameter /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}'
+expect_error "reasoning_effort medium (K3: low, high, max)" 400 invalid_value /v1/chat/completions '{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "medium"}'
 expect_error "completions without a prompt" 400 missing_required_parameter /v1/completions '{"max_tokens": 3}'
 expect_error "completions: a token id outside the vocabulary" 400 invalid_value /v1/completions '{"prompt": [1, 2, 99999]}'
 expect_error "an unknown endpoint: 404" 404 not_found /v1/embeddings '{"input": "hi"}'
 check "the server is still up after every refusal" same "$(get "$URL/health")" 200
 
 # ---- state reuse -----------------------------------------------------------------------------------------
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me a story."),\"max_tokens\":8,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me a story."),\"max_tokens\":8,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}" >/dev/null
 cp "$tmp/body" "$tmp/r1.json"
 check "reuse: a new conversation reuses nothing" jq -e '.usage.prompt_tokens_details.cached_tokens == 0' "$tmp/r1.json"
 two=$(jq -nc '[{role: "user", content: "Tell me a story."}, {role: "assistant", content: "Once there was a tiny model."}, {role: "user", content: "And then?"}]')
-post "$URL" /v1/chat/completions "{\"messages\":$two,\"max_tokens\":8,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"messages\":$two,\"max_tokens\":8,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}" >/dev/null
 cp "$tmp/body" "$tmp/r2.json"
 check "reuse: the second turn reuses the first prompt (the KDA states kept at its end)" \
-    jq -e --slurpfile r1 "$tmp/r1.json" '.usage.prompt_tokens_details.cached_tokens == $r1[0].usage.prompt_tokens' "$tmp/r2.json"
+    jq -e --slurpfile r1 "$tmp/r1.json" '.usage.prompt_tokens_details.cached_tokens == ($r1[0].kimik3.prompt_ids | length)' "$tmp/r2.json"
 r2_prompt=$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/r2.json")
 check "reuse: the second turn's ids = kimik3 run over its whole prompt" same "$(jq -c '.kimik3.ids' "$tmp/r2.json")" "$(run_ids --ids "$r2_prompt" --gen 8)"
 r3_prompt=$(jq -c '.kimik3.prompt_ids + .kimik3.ids' "$tmp/r2.json")
 post "$URL" /v1/completions "{\"prompt\":$r3_prompt,\"max_tokens\":6,\"temperature\":0,\"kimik3\":{}}" >/dev/null
 cp "$tmp/body" "$tmp/r3.json"
 check "reuse: a prompt that extends the live session reuses all of it (prompt + reply but the last token)" \
-    jq -e --slurpfile r2 "$tmp/r2.json" '.usage.prompt_tokens_details.cached_tokens == ($r2[0].usage.prompt_tokens + $r2[0].usage.completion_tokens - 1)' "$tmp/r3.json"
+    jq -e --slurpfile r2 "$tmp/r2.json" '.usage.prompt_tokens_details.cached_tokens == ($r2[0].kimik3.prompt_ids | length) + $r2[0].usage.completion_tokens - 1' "$tmp/r3.json"
 check "reuse: ... and its ids = kimik3 run over the whole sequence" same "$(jq -c '.kimik3.ids' "$tmp/r3.json")" \
     "$(run_ids --ids "$(echo "$r3_prompt" | jq -r 'map(tostring) | join(",")')" --gen 6)"
 
 # ---- the trace: the engine's per-step state ---------------------------------------------------------------
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Show me the experts."),\"max_tokens\":4,\"temperature\":0,\"kimik3\":{\"trace\":true}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"messages\":$(msg "Show me the experts."),\"max_tokens\":4,\"temperature\":0,\"thinking\":false,\"kimik3\":{\"trace\":true}}" >/dev/null
 k=$(jq '.experts_per_token' <(curl -s --max-time 10 "$URL/kimik3/info"))
 E=$(jq '.num_experts' <(curl -s --max-time 10 "$URL/kimik3/info"))
 check "trace: every token has every layer; each MoE layer K distinct experts with weights, each mix sums to 1" \
@@ -210,11 +221,11 @@ check "trace: every token has every layer; each MoE layer K distinct experts wit
       (.step.layers | length) > 0 and all(.step.layers[]; (.experts == null or ((.experts | length) == $k and (.experts | unique | length) == $k and all(.experts[]; . >= 0 and . < $E) and (.weights | length) == $k))
         and ((.mlp_mix | add) - 1 | fabs) < 1e-4 and ((.attn_mix | length) == 0 or ((.attn_mix | add) - 1 | fabs) < 1e-4)))' "$tmp/body"
 check "trace: the first step fed the prompt, later steps one token" \
-    jq -e '.kimik3.tokens[0].step.tokens_fed == (.usage.prompt_tokens - .usage.prompt_tokens_details.cached_tokens) and all(.kimik3.tokens[1:][]; .step.tokens_fed == 1)' "$tmp/body"
+    jq -e '.kimik3.tokens[0].step.tokens_fed == ((.kimik3.prompt_ids | length) - .usage.prompt_tokens_details.cached_tokens) and all(.kimik3.tokens[1:][]; .step.tokens_fed == 1)' "$tmp/body"
 
 # ---- a client that disconnects stops its generation; the next request is served -------------------------
 curl -s -N --max-time 60 -H 'Content-Type: application/json' \
-    --data-binary "{\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
+    --data-binary "{\"thinking\":false,\"messages\":$(msg "Go on and on."),\"max_tokens\":190,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{\"trace\":true}}" \
     "$URL/v1/chat/completions" | head -c 600 >/dev/null
 freed=0
 for _ in $(seq 100); do
@@ -222,7 +233,7 @@ for _ in $(seq 100); do
     sleep 0.05
 done
 check "disconnect: the server is free again within 5 s" same "$freed" 1
-check "disconnect: the next request is served" same "$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
+check "disconnect: the next request is served" same "$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
 kill "$SPID"
 wait "$SPID" 2>/dev/null
 check "disconnect: the generation stopped early (server log)" grep -qE "the client left after [0-9]+ of 190 tokens" "$tmp/main.log"
@@ -256,9 +267,22 @@ USAGE_WANT="--speculate: 33 is more than 32" check "serve --speculate 33 is a us
 
 # ---- one at a time: a bounded queue, then 503 with Retry-After --------------------------------------------
 start queue --context 8192 --queue 1 || bad "the queue server did not start"
+# the K3 API contract with tools (under the tiny vocabulary a tool prompt is ~500 ids: this server has room)
+tools='[{"type": "function", "function": {"name": "get_weather", "description": "Get the weather of a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]'
+st=$(post "$URL" /v1/chat/completions "{\"messages\":[{\"role\":\"system\",\"content\":\"\",\"tools\":$tools},{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"},\"max_tokens\":4,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
+check "chat with dynamic tools, tool_choice required, json_object: 200" same "$st" 200
+prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
+check "... the prompt holds the encoder's tool-declare, tool-choice and response-format messages" sh -c \
+    "printf '%s' \"\$1\" | grep -q 'type=\"tool-declare\"<|sep|>## New Tools Available' && printf '%s' \"\$1\" | grep -q 'tool_choice=required' && printf '%s' \"\$1\" | grep -q 'response_format=json_object'" _ "$prompt_text"
+history='[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]'
+st=$(post "$URL" /v1/chat/completions "{\"messages\":$history,\"tools\":$tools,\"max_tokens\":2,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}")
+prompt_text=$("$bin" detokenize "$model" "$(jq -r '.kimik3.prompt_ids | map(tostring) | join(",")' "$tmp/body")" 2>/dev/null)
+check "a tool call and its result render as the encoder's call and tool message" sh -c \
+    "printf '%s' \"\$1\" | grep -q '<|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument' && printf '%s' \"\$1\" | grep -q 'message role=\"tool\" tool=\"get_weather\" index=\"1\"<|sep|>18 C'" _ "$prompt_text"
+
 # ignore_eos: a model with random weights draws an end-of-turn token within ~150 tokens, too soon for a queue
-long_req="{\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Keep going."),\"max_tokens\":300,\"temperature\":1,\"seed\":2,\"ignore_eos\":true}" >/dev/null
+long_req="{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":300,\"temperature\":1,\"seed\":2,\"ignore_eos\":true}" >/dev/null
 check "ignore_eos: a reply that would end at once (seed 2 stops after 3 tokens) runs to max_tokens" \
     jq -e '.usage.completion_tokens == 300 and .choices[0].finish_reason == "length"' "$tmp/body"
 curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
@@ -274,7 +298,7 @@ wait_health '.busy == true'
 curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
 c2=$!
 if wait_health '.queued == 1'; then
-    st=$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "me too"),\"max_tokens\":2}")
+    st=$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "me too"),\"max_tokens\":2}")
     check "queue full: 503 with an error object" sh -c "[ '$st' = 503 ] && jq -e '.error.code == \"server_overloaded\"' '$tmp/body' >/dev/null"
     check "queue full: Retry-After" grep -qiE '^Retry-After: [0-9]+' "$tmp/headers"
 else
@@ -283,7 +307,7 @@ fi
 kill $c1 $c2 2>/dev/null
 wait $c1 $c2 2>/dev/null
 check "queue: both clients gone, the server is idle again" wait_health '.busy == false and .queued == 0'
-check "queue: and serves the next request" same "$(post "$URL" /v1/chat/completions "{\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
+check "queue: and serves the next request" same "$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "hi"),\"max_tokens\":2}")" 200
 # a client of a reply that is not streamed gives up after a second: its generation stops too
 curl -s --max-time 1 -o /dev/null -H 'Content-Type: application/json' --data-binary "${long_req/\"stream\":true/\"stream\":false}" "$URL/v1/chat/completions"
 check "disconnect, not streamed: the server is idle again within 10 s" wait_health '.busy == false'
@@ -293,8 +317,8 @@ kill "$SPID"
 # ---- --api-key ---------------------------------------------------------------------------------------------
 start key --context 64 --api-key sekrit-key || bad "the key server did not start"
 check "api key: no key, 401" sh -c "[ \"\$(curl -s --max-time 10 -o '$tmp/body' -w '%{http_code}' '$URL/v1/models')\" = 401 ] && jq -e '.error.code == \"invalid_api_key\"' '$tmp/body' >/dev/null"
-check "api key: a wrong key, 401" same "$(post "$URL" /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer nope')" 401
-check "api key: the right key, 200" same "$(post "$URL" /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer sekrit-key')" 200
+check "api key: a wrong key, 401" same "$(post "$URL" /v1/chat/completions '{"thinking":false,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer nope')" 401
+check "api key: the right key, 200" same "$(post "$URL" /v1/chat/completions '{"thinking":false,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}' -H 'Authorization: Bearer sekrit-key')" 200
 check "api key: /health and the page need none" sh -c "[ \"\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' '$URL/health')\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' '$URL/')\" = 200200 ]"
 kill "$SPID"
 
@@ -302,10 +326,10 @@ kill "$SPID"
 # at the floor every step reads the trunk: read 1001 fails after the first tokens of the first request
 floor=$("$bin" plan "$model" --budget 1 --context 128 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
 FAIL_READS=1000:1 start fail --context 128 --budget "$floor" || bad "the failing server did not start"
-stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
+stream "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
 check "failed read: tokens, then an error event naming the read, no [DONE]" \
     sh -c "grep -q '\"weight_read_failed\"' '$tmp/events' && ! grep -q '^\[DONE\]' '$tmp/events' && [ \$(grep -c '\"token\"' '$tmp/events') -ge 1 ]"
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
 check "failed read: the next request is served with kimik3 run's ids" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
 kill "$SPID"
 
@@ -320,7 +344,7 @@ if [ "${KIMIK3_SERVE_CLIENTS:-0}" != 1 ]; then
     echo "SKIPPED: the openai client and browser tests (they need node, npm and chromium: make test-serve runs them)"
 else
 # ---- a real client: the official openai npm package -----------------------------------------------------------
-start client --context 256 --quiet || bad "the client server did not start"
+start client --context 1024 --quiet || bad "the client server did not start"
 npm_dir=build/serve-npm
 if [ ! -d $npm_dir/node_modules/openai ] && command -v npm >/dev/null; then
     timeout 180 npm install --prefix $npm_dir --no-package-lock --no-save --no-audit --no-fund --loglevel=error openai@6.30.1 >"$tmp/npm.log" 2>&1

@@ -3,6 +3,7 @@
 // chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
+#include "../chapters/15b_tools.hpp"
 
 #include <cstring>
 #include <limits>
@@ -116,7 +117,7 @@ TEST_CASE("15.2 attributes are escaped; typed markers stay text; internal system
 
 TEST_CASE("15.2 thinking on opens with the template's thinking-effort message (max by default); whitespace-only reasoning is dropped") {
     const ChatMessage user[] = {{.role = "user", .content = "Hi"}};
-    // word for word as llama.cpp's models/templates/Kimi-K3.jinja writes it, before every message
+    // word for word as the release's encoding_k3.py writes it, before every message
     const std::string effort_max =
         "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>`thinking_effort` guides on how much to think in your thinking "
         "channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is "
@@ -127,12 +128,14 @@ TEST_CASE("15.2 thinking on opens with the template's thinking-effort message (m
     CHECK(render_chat(tiny(), user, {.add_generation_prompt = false}) ==
           segments({"<|open|>", "message role=\"system\" type=\"thinking-effort\"", "<|sep|>", thinking_effort_text("max"), "<|close|>", "message",
                     "<|sep|>", "<|end_of_msg|>", "<|open|>", "message role=\"user\"", "<|sep|>", "Hi", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>"}));
-    for (const char* e : {"low", "medium", "high"})
+    for (const char* e : {"low", "high"})
         CHECK(tiny().decode(render_chat(tiny(), user, {.thinking_effort = e})).find(std::string("invoked with `thinking_effort=") + e + "`.<|close|>") !=
               std::string::npos);
     CHECK(tiny().decode(render_chat(tiny(), user, {.thinking = false})).find("thinking-effort") == std::string::npos);  // thinking off: none
     test::expect_error([&] { render_chat(tiny(), user, {.thinking_effort = "extreme"}); }, ErrorKind::usage,
-                       {"thinking effort 'extreme' is not one of low, medium, high, max"});
+                       {"thinking effort 'extreme' is not one of low, high, max"});
+    // the encoder's text names `medium`, but it accepts only low, high and max (encoding_k3.py _VALID_THINKING_EFFORTS)
+    test::expect_error([&] { render_chat(tiny(), user, {.thinking_effort = "medium"}); }, ErrorKind::usage, {"'medium' is not one of low, high, max"});
     // reasoning that is only whitespace (Python's isspace, as the template's trim) renders an empty think block
     const ChatMessage blank[] = {{.role = "assistant", .content = "ok", .reasoning = " \n\t\u3000"}};
     CHECK(tiny().decode(render_chat(tiny(), blank, {.add_generation_prompt = false, .thinking_effort = ""})) ==
@@ -319,7 +322,7 @@ std::vector<std::int64_t> turn(Model& m, Chat& c, const std::string& text, std::
                                SamplingParams sp = {.temperature = 0}) {
     ChatWriter w(tiny());
     render_message(w, ChatMessage{"user", text}, c.options);
-    w.open("message" + xtml_attribute("role", "assistant")), w.open(c.options.thinking ? "think" : "response");
+    w.open("message", {{"role", "assistant"}}), w.open(c.options.thinking ? "think" : "response");
     std::vector<std::int64_t> fresh = c.pending;
     fresh.insert(fresh.end(), w.ids().begin(), w.ids().end());
     const StopTokens stops = stop_tokens(tiny());
@@ -510,4 +513,47 @@ TEST_CASE("15.8 the tokenizer must cover exactly the model's vocabulary") {
     c.vocab_size = 520;
     test::expect_error([&] { require_same_vocabulary(tiny(), c, "tiny"); }, ErrorKind::format,
                        {"tiny: the tokenizer has 512 ids (480 BPE ranks + 32 special tokens), the model's vocab_size is 520"});
+}
+
+TEST_CASE("15.2 attributes are four segments each, as the encoder's _attr writes them") {
+    ChatWriter w(tiny());
+    w.open("call", {{"tool", "a.b"}, {"index", "1"}});
+    const std::vector<std::pair<std::string, bool>> want = {{"<|open|>", true}, {"call", false}, {" tool", false}, {"=\"", false}, {"a.b", false},
+                                                            {"\"", false}, {" index", false}, {"=\"", false}, {"1", false}, {"\"", false},
+                                                            {"<|sep|>", true}};
+    CHECK(w.segments() == want);
+    // `a.b` then `"` alone: one string would pre-tokenize `b"` differently (`."` would be one piece)
+    CHECK(w.ids() == segments({"<|open|>", "call", " tool", "=\"", "a.b", "\"", " index", "=\"", "1", "\"", "<|sep|>"}));
+    ChatWriter parts(tiny());
+    render_message(parts, {.role = "user", .parts = {"Hel", "lo"}}, {});
+    CHECK(parts.ids() == segments({"<|open|>", "message", " role", "=\"", "user", "\"", "<|sep|>", "Hel", "lo", "<|close|>", "message", "<|sep|>", "<|end_of_msg|>"}));
+}
+
+TEST_CASE("15b.1 JSON as Python's json.dumps writes it: floats as repr, separators, key order, escapes") {
+    // each expected text is what CPython 3 prints for repr(x) / json.dumps(x, ensure_ascii=False)
+    const std::pair<double, const char*> floats[] = {{1.5, "1.5"}, {2.0, "2.0"}, {0.1, "0.1"}, {-0.0, "-0.0"}, {1e15, "1000000000000000.0"},
+                                                     {9999999999999998.0, "9999999999999998.0"}, {1e16, "1e+16"}, {0.0001, "0.0001"},
+                                                     {1e-05, "1e-05"}, {-1.25e-7, "-1.25e-07"}, {123456789012345678.0, "1.2345678901234568e+17"},
+                                                     {1e300, "1e+300"}, {5e-324, "5e-324"}};
+    for (const auto& [v, want] : floats) CHECK(python_float(v) == want);
+    const nlohmann::ordered_json v = nlohmann::ordered_json::parse(R"({"z": [1, "two", false, null, 1.0], "a": {"k": "v\n\u0001\"é"}})");
+    CHECK(python_json(v) == "{\"z\": [1, \"two\", false, null, 1.0], \"a\": {\"k\": \"v\\n\\u0001\\\"é\"}}");
+    CHECK(python_json_sorted(v) == "{\"a\":{\"k\":\"v\\n\\u0001\\\"é\"},\"z\":[1,\"two\",false,null,1.0]}");
+}
+
+TEST_CASE("15b.3 OpenAI arguments become the encoder's argument blocks, a json block, or a refusal") {
+    const ToolCall typed = tool_call_from("do", nlohmann::ordered_json::parse(R"("{\"b\": 1.5, \"a\": \"x\", \"o\": {\"k\": [1, 2]}}")"));
+    REQUIRE(typed.arguments.size() == 3);  // in the object's own order, not sorted
+    CHECK(typed.arguments[0].key == "b");
+    CHECK(typed.arguments[0].type == "number");
+    CHECK(typed.arguments[0].value == "1.5");
+    CHECK(typed.arguments[1].type == "string");
+    CHECK(typed.arguments[1].value == "x");
+    CHECK(typed.arguments[2].type == "object");
+    CHECK(typed.arguments[2].value == "{\"k\": [1, 2]}");
+    CHECK(tool_call_from("f", nlohmann::ordered_json("not json")).json_block == "not json");
+    CHECK(tool_call_from("f", nlohmann::ordered_json(" \n")).arguments.empty());
+    CHECK_FALSE(tool_call_from("f", nlohmann::ordered_json(" \n")).json_block);
+    test::expect_error([] { tool_call_from("f", nlohmann::ordered_json("[1]")); }, ErrorKind::usage, {"not a JSON object"});
+    test::expect_error([] { tool_call_from("f", nlohmann::ordered_json(3)); }, ErrorKind::usage, {"must be a JSON object"});
 }

@@ -110,12 +110,12 @@ inline void require_writable(const std::string& path, const std::string& option,
     if (!existed) ::unlink(tmp.c_str());
 }
 
-// --think-effort: the four values of K3's chat template, or "none" (no thinking-effort message).
+// --think-effort: the three values K3's encoder accepts (encoding_k3.py), or "none" (no thinking-effort message).
 inline std::string parse_think_effort(const std::string& s, const char* usage) {
-    if (s.empty()) return "max";  // the template's default
+    if (s.empty()) return "max";  // the release's default
     if (s == "none") return "";
-    if (s != "low" && s != "medium" && s != "high" && s != "max")
-        throw Usage("--think-effort: '" + s + "' is not one of low, medium, high, max, none\n\n" + usage);
+    if (s != "low" && s != "high" && s != "max")
+        throw Usage("--think-effort: '" + s + "' is not one of low, high, max, none\n\n" + usage);
     return s;
 }
 

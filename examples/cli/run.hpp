@@ -22,7 +22,7 @@ inline const char* kRunUsage =
     "  --prompt-file PATH  the same, read from a file\n"
     "  --raw               encode the prompt text as is, without the chat format\n"
     "  --think             chat format with thinking on (default: off)\n"
-    "  --think-effort E    with --think: low, medium, high or max (default max, as K3's template), or none\n"
+    "  --think-effort E    with --think: low, high or max (default max, as K3's encoder), or none\n"
     "generation:\n"
     "  --gen N             tokens to generate (default 16). With --ids and --gen 0: teacher forcing, the\n"
     "                      logits of every position of the given ids\n"

@@ -36,10 +36,11 @@
 //   none of it unless they ask ("kimik3": {"trace": true} in the request).
 //
 // SAME TOKENS AS `kimik3 run`
-//   Chat requests render with render_chat (thinking off unless the request turns it on); sampling is
+//   Chat requests render as K3's encoder renders them (chapter 15b, serve_api.hpp: tools, tool choice,
+//   response formats; thinking on unless the request turns it off, as K3's API); sampling is
 //   chapter 15's: temperature 0 is greedy, otherwise the token at position p takes output p of `seed`'s SplitMix64 stream (top-k
 //   and top-p as in `run`). So `run --prompt X --seed S --temperature T` and a request with one user
-//   message X and the same seed and temperature draw the same ids (tests/serve.sh checks it).
+//   message X, thinking off, and the same seed and temperature draw the same ids (tests/serve.sh checks it).
 //
 // ENDPOINTS
 //   POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/ID]   GET /health
@@ -108,7 +109,9 @@ inline const char* kServeUsage =
     "Request fields: messages (or prompt), stream, stream_options.include_usage, max_tokens (or\n"
     "max_completion_tokens), temperature (default 1), top_p, top_k, seed (default: random), stop,\n"
     "ignore_eos (true: end-of-turn tokens do not end the reply; for benchmarks and tests),\n"
-    "thinking (true, or {\"type\": \"enabled\"}; default off: replies with it carry reasoning_content),\n"
+    "thinking ({\"type\": \"enabled\" | \"disabled\", \"effort\": low|high|max}, or a boolean; default on: replies carry\n"
+    "reasoning_content), reasoning_effort, chat_template_kwargs {thinking, thinking_effort}, tools (also in a system\n"
+    "message), tool_choice (auto, none, required), response_format (text, json_object, json_schema: told, not enforced),\n"
     "kimik3 ({\"trace\": true}: per-token token ids, experts, depth weights and I/O).\n"
     "Stop with Ctrl-C (SIGINT) or SIGTERM. Exit codes as for run.\n";
 
@@ -120,7 +123,8 @@ struct Event {
     std::int64_t id = 0;
     std::string piece, content, reasoning;
     nlohmann::ordered_json step;         // the trace of the step that produced the token (trace only)
-    std::string finish_reason;           // done: stop or length
+    std::string finish_reason;           // done: stop, length or tool_calls
+    std::vector<ToolCallOut> calls;      // tool calls completed by this token (serve_api.hpp)
     std::size_t prompt_tokens = 0, completion_tokens = 0, reused = 0;
     double queue_seconds = 0, prefill_seconds = 0, decode_seconds = 0;
     ApiError failure;                    // error
@@ -337,6 +341,7 @@ class Engine {
             sp.seed = q.seed;
             ReplyReader reader(tok_, q.chat, q.thinking);
             Utf8Stream raw;  // each token's own text, markup included (the page shows it)
+            ToolCallReader calls(tok_);  // the reply's tool calls, by token id (serve_api.hpp)
             StopMatcher stop(q.stop);
             StepRecord rec;
             PromptLookup drafter{.max_draft = speculate_};
@@ -361,6 +366,7 @@ class Engine {
                 e.piece = raw.push(u < tok_.vocab_size() ? std::string(tok_.token_bytes(u)) : std::string());
                 if (!is_stop) {
                     ReplyReader::Delta d = reader.push(u);
+                    if (q.chat) e.calls = calls.push(u);
                     e.content = stop.push(d.content);
                     e.reasoning = d.reasoning;
                 }
@@ -369,7 +375,9 @@ class Engine {
                     e.content += stop.push(d.content);
                     e.reasoning += d.reasoning;
                     e.content += stop.finish();
+                    if (q.chat) for (ToolCallOut& c : calls.finish()) e.calls.push_back(std::move(c));
                 }
+                if (q.tool_choice == "none") e.calls.clear();  // told not to call: what it wrote anyway is not a call (as vLLM)
                 if (q.trace) {
                     if (row == 0) after = io_snapshot(model_), step_seconds = seconds_since(t_step);
                     e.step = step_json(rec, before, after, step, step ? rec.tokens : fresh.size(), step_seconds, row++);
@@ -393,8 +401,8 @@ class Engine {
                 std::fprintf(stderr, "kimik3 serve: the client left after %zu of %zu tokens: generation stopped\n", drawn, q.max_tokens);
             Event d;
             d.kind = Event::done;
-            d.finish_reason = finish;
-            d.prompt_tokens = q.prompt.size();
+            d.finish_reason = finish == "stop" && calls.count() > 0 && q.tool_choice != "none" ? "tool_calls" : finish;
+            d.prompt_tokens = q.prompt_tokens;
             d.completion_tokens = drawn;
             d.reused = reused;
             d.queue_seconds = start.queue_seconds;
@@ -506,7 +514,7 @@ inline nlohmann::ordered_json usage_json(const Event& d) {
     return {{"prompt_tokens", d.prompt_tokens},
             {"completion_tokens", d.completion_tokens},
             {"total_tokens", d.prompt_tokens + d.completion_tokens},
-            {"prompt_tokens_details", {{"cached_tokens", d.reused}}}};
+            {"prompt_tokens_details", {{"cached_tokens", std::min(d.reused, d.prompt_tokens)}}}};
 }
 
 inline nlohmann::ordered_json timings_json(const Event& d) {
@@ -546,6 +554,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
     if (!q.stream) {
         const int fd = request_socket(req);
         std::string content, reasoning;
+        std::vector<ToolCallOut> tool_calls;
         std::vector<std::int64_t> ids;
         nlohmann::ordered_json steps = nlohmann::ordered_json::array();
         Event e;
@@ -561,6 +570,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
             if (!got) continue;
             if (e.kind == Event::token) {
                 content += e.content, reasoning += e.reasoning, ids.push_back(e.id);
+                tool_calls.insert(tool_calls.end(), e.calls.begin(), e.calls.end());
                 if (q.trace) steps.push_back({{"token", e.id}, {"piece", e.piece}, {"step", std::move(e.step)}});
             }
             if (e.kind == Event::done || e.kind == Event::error) break;
@@ -574,6 +584,8 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
         if (chat) {
             nlohmann::ordered_json msg = {{"role", "assistant"}, {"content", content}};
             if (q.thinking) msg["reasoning_content"] = reasoning;
+            if (!tool_calls.empty()) msg["tool_calls"] = tool_calls_json(tool_calls, 0, false);
+            if (!tool_calls.empty() && content.empty()) msg["content"] = nullptr;
             choice["message"] = msg;
         } else {
             choice["text"] = content;
@@ -602,6 +614,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
     res.set_header("X-Accel-Buffering", "no");
     struct StreamState {
         bool role_sent = false, finished = false;
+        std::size_t calls = 0;  // tool calls streamed so far: the next one's index
     };
     auto st = std::make_shared<StreamState>();
     res.set_chunked_content_provider(
@@ -634,6 +647,7 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
                 nlohmann::ordered_json delta = nlohmann::ordered_json::object();
                 if (!e.content.empty()) delta["content"] = e.content;
                 if (!e.reasoning.empty()) delta["reasoning_content"] = e.reasoning;
+                if (!e.calls.empty()) delta["tool_calls"] = tool_calls_json(e.calls, st->calls, true), st->calls += e.calls.size();
                 nlohmann::ordered_json c = chunk(chat ? delta : nlohmann::ordered_json(e.content), nullptr);
                 if (q.extension) {
                     c["kimik3"] = {{"token", e.id}, {"piece", e.piece}};

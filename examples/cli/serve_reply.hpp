@@ -49,6 +49,8 @@ struct GenRequest {
     SamplingParams sampling;
     std::uint64_t seed = 0;
     std::vector<std::string> stop;
+    std::size_t prompt_tokens = 0;     // usage.prompt_tokens: chat prompts without the last 3 ids (serve_api.hpp)
+    std::string tool_choice;           // chat: "", auto, none or required (serve_api.hpp)
 };
 
 // Typed field access: absent -> nullptr; present with another type -> 400 naming the field.
@@ -117,30 +119,16 @@ inline void refuse_unsupported(const nlohmann::json& body) {
             refuse(p, std::string("'") + p + "' is not supported (only 0)", "unsupported_value");
     if (const nlohmann::json* lp = field(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
         refuse("logprobs", "'logprobs' is not supported", "unsupported_value");
-    for (const char* p : {"tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix"})
+    for (const char* p : {"functions", "function_call", "logit_bias", "suffix"})
         if (const nlohmann::json* v = field(body, p); v && !(v->is_array() && v->empty()) && !(v->is_object() && v->empty()) &&
                                                       !(v->is_string() && (v->get<std::string>() == "none" || v->get<std::string>().empty())))
             refuse(p, std::string("'") + p + "' is not supported by this server", "unsupported_parameter");
     if (get_bool(body, "echo", false)) refuse("echo", "'echo' is not supported", "unsupported_value");
-    if (const nlohmann::json* rf = field(body, "response_format"))
-        if (!rf->is_object() || rf->value("type", "") != "text") refuse("response_format", "only response_format {\"type\": \"text\"} is supported", "unsupported_value");
 }
 
-inline bool thinking_of(const nlohmann::json& body) {
-    bool on = false;
-    if (const nlohmann::json* t = field(body, "thinking")) {
-        if (t->is_boolean()) on = t->get<bool>();
-        else if (t->is_object() && t->contains("type") && (*t)["type"].is_string() &&
-                 ((*t)["type"] == "enabled" || (*t)["type"] == "disabled"))
-            on = (*t)["type"] == "enabled";
-        else refuse("thinking", "'thinking' must be a boolean or {\"type\": \"enabled\" | \"disabled\"}", "invalid_type");
-    }
-    if (const nlohmann::json* k = field(body, "chat_template_kwargs")) {
-        if (!k->is_object()) refuse("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type");
-        on = get_bool(*k, "thinking", on);
-    }
-    return on;
-}
+// The chat fields of the K3 API contract (tools, tool choice, response format, thinking): serve_api.hpp,
+// included at the end of this file. Renders the prompt; sets r.thinking, r.tool_choice, r.prompt_tokens.
+inline std::vector<std::uint32_t> chat_prompt(const std::string& text, const nlohmann::json& body, const Tokenizer& tok, GenRequest& r);
 
 // Parses and checks a request body; renders the prompt. Throws ApiError.
 inline GenRequest parse_request(const std::string& text, bool chat, const Tokenizer& tok, const ServeLimits& lim) {
@@ -196,39 +184,11 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
         if (!ms) refuse("messages", "'messages' is required", "missing_required_parameter");
         if (!ms->is_array()) refuse("messages", "'messages' must be an array, not " + type_name(*ms), "invalid_type");
         if (ms->empty()) refuse("messages", "'messages' must not be empty", "empty_array");
-        r.thinking = thinking_of(body);
-        std::vector<ChatMessage> msgs;
-        for (std::size_t i = 0; i < ms->size(); ++i) {
-            const nlohmann::json& m = (*ms)[i];
-            const std::string at = "messages[" + std::to_string(i) + "]";
-            if (!m.is_object()) refuse(at, "'" + at + "' must be an object, not " + type_name(m), "invalid_type");
-            const nlohmann::json* role = field(m, "role");
-            if (!role || !role->is_string()) refuse(at + ".role", "'" + at + ".role' must be a string", "invalid_type");
-            ChatMessage cm;
-            cm.role = role->get<std::string>();
-            if (cm.role == "developer") cm.role = "system";
-            if (cm.role == "tool" || field(m, "tool_calls") || field(m, "function_call"))
-                refuse(at, "tool messages and tool calls are not supported by this server", "unsupported_value");
-            if (cm.role != "system" && cm.role != "user" && cm.role != "assistant")
-                refuse(at + ".role", "'" + at + ".role' is '" + cm.role + "'; it must be system, developer, user or assistant", "invalid_value");
-            const nlohmann::json* content = field(m, "content");
-            if (!content && cm.role != "assistant") refuse(at + ".content", "'" + at + ".content' is required", "missing_required_parameter");
-            if (content) cm.content = text_of(*content, at + ".content");
-            if (const nlohmann::json* rc = field(m, "reasoning_content")) {
-                if (!rc->is_string()) refuse(at + ".reasoning_content", "'" + at + ".reasoning_content' must be a string", "invalid_type");
-                cm.reasoning = rc->get<std::string>();
-            }
-            if (const nlohmann::json* nm = field(m, "name")) {
-                if (!nm->is_string()) refuse(at + ".name", "'" + at + ".name' must be a string", "invalid_type");
-                cm.name = nm->get<std::string>();
-            }
-            msgs.push_back(std::move(cm));
-        }
-        ChatOptions co;
-        co.thinking = r.thinking;
-        ids = render_chat(tok, msgs, co);
+        ids = chat_prompt(text, body, tok, r);
     } else {
         if (field(body, "messages")) refuse("messages", "/v1/completions takes 'prompt', not 'messages' (that is /v1/chat/completions)", "unsupported_parameter");
+        for (const char* p : {"tools", "tool_choice", "response_format"})
+            if (field(body, p)) refuse(p, std::string("'") + p + "' belongs to /v1/chat/completions", "unsupported_parameter");
         const nlohmann::json* p = field(body, "prompt");
         if (!p) refuse("prompt", "'prompt' is required", "missing_required_parameter");
         if (p->is_string()) ids = tok.encode(p->get<std::string>());
@@ -243,6 +203,7 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
         } else refuse("prompt", "'prompt' must be a string, an array of one string, or an array of token ids", "invalid_type");
     }
     r.prompt.assign(ids.begin(), ids.end());
+    if (!chat) r.prompt_tokens = r.prompt.size();
     if (r.prompt.empty()) refuse(chat ? "messages" : "prompt", "the prompt is empty", "empty_prompt");
     for (std::int64_t id : r.prompt)
         if (std::uint64_t(id) >= lim.vocab)
@@ -317,3 +278,5 @@ class StopMatcher {
 };
 
 }  // namespace kimik3::cli
+
+#include "serve_api.hpp"

@@ -31,7 +31,7 @@ inline const char* kChatUsage =
     "cut short is closed (its open tags, then <|end_of_msg|>) before the next turn, as K3's template renders\n"
     "past turns. The model's state (KDA states, latent KV cache) carries from turn to turn: only new tokens\n"
     "are computed. With --think the conversation opens with the template's thinking-effort message\n"
-    "(--think-effort low, medium, high, max: the default, or none).\n"
+    "(--think-effort low, high, max: the default, or none).\n"
     "Commands: /reset (start over), /save FILE, /load FILE (a session file: token history and every layer's\n"
     "state; refused if made for another model), /quit (or end of input).\n"
     "  --context N    positions the conversation may reach (default 4096)\n"
