@@ -240,10 +240,10 @@ check "disconnect: the generation stopped early (server log)" grep -qE "the clie
 
 # ---- --speculate N: the same replies, bit for bit, in fewer steps (as kimik3 run --speculate) ---------------
 start spec --context 256 --quiet --speculate 4 || bad "the --speculate server did not start"
-post "$URL" /v1/chat/completions "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
 check "serve --speculate 4, greedy: the same ids as kimik3 run" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
 check "serve --speculate 4, greedy: the same content as without --speculate" same "$(jq -c '.choices[0].message.content' "$tmp/body")" "$(jq -c '.choices[0].message.content' "$tmp/greedy.json")"
-stream "$URL" /v1/chat/completions "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"stream\":true,\"kimik3\":{}}"
+stream "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Tell me about experts."),\"max_tokens\":16,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"stream\":true,\"kimik3\":{}}"
 check "serve --speculate 4, streamed, sampled (seed 42): the same ids as kimik3 run" same "$(grep -v '^\[DONE\]' "$tmp/events" | jq -sc '[.[] | .kimik3.token // empty]')" "$sampled_run"
 check "serve --speculate 4, streamed: the same text as without --speculate" same "$(grep -v '^\[DONE\]' "$tmp/events" | jq -sr '[.[] | .choices[0].delta.content // empty] | join("")')" "$streamed_text"
 kill "$SPID"
