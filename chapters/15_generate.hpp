@@ -51,8 +51,9 @@
 //      template (llama.cpp, models/templates/Kimi-K3.jinja). Other internal system messages
 //      (type="tool-declare", "tool-choice", "response-format") are ordinary messages whose body the
 //      caller supplies.
-//   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
-//      and draws nothing. Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
+//   2. Sampling order of operations, all in f32: greedy (T below kGreedyBelow = 1e-10, 0 included) is
+//      the argmax, ties to the lower id, and draws nothing; so is any T for which some logit / T
+//      overflows f32 (the limit T -> 0, instead of a draw among infinities). Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
 //      ties lower id first; keep the first top_k (0 = all); e_j = exp(z_j - z_0); S = the 16-lane sum
 //      of e_j in sorted order (lane j % 16, then hsum16: chapter 00's rule); p_j = e_j / S; if top_p
 //      < 1, keep through the first j whose running sum c_j = c_{j-1} + p_j (sequential, f32) reaches
@@ -281,11 +282,16 @@ class SplitMix64 {
 // 15.5 Sampling
 // ---------------------------------------------------------------------------------------------------
 struct SamplingParams {
-    float temperature = 1.0f;  // <= 0: greedy
+    float temperature = 1.0f;  // below kGreedyBelow (0 included): greedy
     int top_k = 0;             // 0: no limit
     float top_p = 1.0f;        // >= 1: no limit
     std::uint64_t seed = 0;    // the draw for position p is SplitMix64::uniform_at(seed, p) (contract 3)
 };
+
+// Temperatures below this are the greedy limit. logit / T overflows f32 once |logit| > 3.4e38 x T: at
+// T = 2e-38 every logit above 6.8 becomes +inf and the draw is garbage (the least likely id won, in a
+// test). Above the threshold an overflow needs |logit| > 3.4e28, and sampling_candidates still catches it.
+inline constexpr float kGreedyBelow = 1e-10f;
 
 struct TokenCandidate {
     std::uint32_t id;
@@ -307,10 +313,13 @@ inline std::uint32_t greedy(std::span<const float> logits) {  // logits (V)
 inline std::vector<TokenCandidate> sampling_candidates(std::span<const float> logits, const SamplingParams& sp) {  // logits (V)
     if (logits.empty()) fail(ErrorKind::usage, "sample: no logits");
     std::vector<TokenCandidate> c(logits.size());
+    bool overflow = false;  // a finite logit whose z is not: T is too small for these logits
     for (std::uint32_t i = 0; i < logits.size(); ++i) {
         if (std::isnan(logits[i])) fail(ErrorKind::runtime, "sample: logit " + std::to_string(i) + " is NaN");
         c[i] = {i, logits[i] / sp.temperature, 0.0f, 0.0f};
+        overflow = overflow || (std::isinf(c[i].z) && std::isfinite(logits[i]));
     }
+    if (overflow) return {TokenCandidate{greedy(logits), 0.0f, 1.0f, 1.0f}};  // the limit T -> 0: the greedy id alone
     std::sort(c.begin(), c.end(), [](const TokenCandidate& a, const TokenCandidate& b) { return a.z != b.z ? a.z > b.z : a.id < b.id; });
     if (sp.top_k > 0 && std::size_t(sp.top_k) < c.size()) c.resize(std::size_t(sp.top_k));
     if (std::isinf(c[0].z) && c[0].z < 0) fail(ErrorKind::runtime, "sample: every logit is -inf");
@@ -343,7 +352,7 @@ inline std::uint32_t sample_from(std::span<const TokenCandidate> kept, float u) 
 // The token at `position` (the number of tokens before it in the sequence). Greedy uses no draw; every
 // other setting uses u = uniform_at(seed, position), the same whatever was drawn before.
 inline std::uint32_t sample(std::span<const float> logits, const SamplingParams& sp, std::uint64_t position) {  // logits (V)
-    if (!(sp.temperature > 0.0f)) return greedy(logits);
+    if (!(sp.temperature >= kGreedyBelow)) return greedy(logits);  // 0, tiny, or NaN
     const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
     return sample_from(kept, SplitMix64::uniform_at(sp.seed, position));
 }

@@ -247,6 +247,25 @@ TEST_CASE("15.5 temperature agrees with hand arithmetic within 1e-6 (exp is not 
     CHECK_THROWS_AS(greedy(nan_logits), Error);
 }
 
+TEST_CASE("15.5 a temperature at the numeric edge is the greedy limit: 1e-45, 1e-38, 2e-38, 1e-6; an overflowing division too") {
+    test::Rng rng(155);
+    std::vector<float> logits = rng.floats(512, -20.0f, 20.0f);
+    logits[137] = 21.0f;  // one clear winner: the least likely id must never come out
+    for (const float t : {1e-45f, 1e-38f, 2e-38f, 1e-6f}) {
+        CAPTURE(t);
+        for (std::uint64_t p = 0; p < 64; ++p) REQUIRE(sample(logits, {.temperature = t, .seed = 7}, p) == 137);
+    }
+    // above the threshold, logits large enough to overflow logit / T: the greedy id, one candidate
+    std::vector<float> big = logits;
+    for (float& x : big) x *= 1e29f;
+    const std::vector<TokenCandidate> c = sampling_candidates(big, {.temperature = 1e-10f});
+    REQUIRE(c.size() == 1);
+    CHECK(c[0].id == 137);
+    CHECK(sample(big, {.temperature = 1e-10f, .seed = 3}, 5) == 137);
+    // and an ordinary temperature is untouched: the same ids as the contract's arithmetic
+    CHECK(sampling_candidates(logits, {.temperature = 0.5f}).size() == logits.size());
+}
+
 TEST_CASE("15.5 sampling is reproducible: the same (seed, position), the same id, in any order; greedy uses no draw") {
     test::Rng rng(15);
     const std::vector<float> logits = rng.floats(512, -4.0f, 4.0f);
