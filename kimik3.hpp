@@ -2,6 +2,8 @@
 #pragma once
 #include "chapters/00_numerics.hpp"     // bf16 and f32 bits, RNE, the 16-lane sum, the SIMD shim, threads
 #include "chapters/01_safetensors.hpp"  // the checkpoint format, validated before it is trusted; shards
+#include "chapters/01a_bounded_input.hpp"  // APPENDIX to 01: regular files only, exact and direct reads, bounded JSON
+#include "chapters/01b_writer.hpp"      // APPENDIX to 01: writing safetensors and small files atomically
 #include "chapters/02_config.hpp"       // config.json read and refused with reasons; the schedule; binding; the census
 #include "chapters/03_norms.hpp"        // RMSNorm, the KDA L2 norm, the gated per-head norm
 #include "chapters/04_matvec_bf16.hpp"  // y = W x with bf16 weights, bit-identical at any SIMD width

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../chapters/01b_writer.hpp"
 #include "../chapters/02_config.hpp"
 #include "timing.hpp"
 

@@ -71,7 +71,7 @@
 //   * An expert is read when requested and not resident, never speculatively: read-ahead (prefetch)
 //     only reads the next group of experts the router has already chosen. A contiguous expert (the release)
 //     is one read of its widened span; a scattered one, one read per part. Every read goes through
-//     chapter 01's detail::pread_hook. O_DIRECT per shard unless refused (open or read fails with
+//     chapter 01's detail::pread_hook (appendix 01a). O_DIRECT per shard unless refused (open or read fails with
 //     EINVAL: that shard is read buffered from then on, same bytes, same slot layout).
 //   * A read error, or end of file before the expert's last byte, is Error(io) naming the expert, the
 //     file, the offset and the size; a scale byte 255 is Error(format) naming the tensor; a trace file
@@ -100,7 +100,8 @@
 //          Journal 5(2), 1966 (the optimum the simulator replays); Eliseev and Mazur, arXiv:2312.17238
 //          (LRU expert offloading); FareedKhan-dev/kimi-k3-in-c (its README, CHANGELOG and
 //          PERFORMANCE.md). docs/sources.md 11.
-// USES     chapters 00 (Error), 01 (Fd, AlignedBuffer, pread_exact, pread_hook), 02 (ExpertLocation,
+// USES     chapters 00 (Error), 01 (AlignedBuffer; appendix 01a: Fd, pread_exact, pread_direct, pread_hook;
+//          appendix 01b: write_text_atomic), 02 (ExpertLocation,
 //          human_bytes), 05 (check_e8m0_scales), 06 (ExpertWeights), 10 (ExpertProvider)
 // RUN      make run-11      TEST   make test-11      BENCH   make bench (bench/bench_experts.hpp)
 // CLI      kimik3 simulate-cache TRACE --sizes 17,64,256 [--svg FILE] [--disk-mbps 1300]
@@ -128,6 +129,7 @@
 
 #include "00_numerics.hpp"
 #include "01_safetensors.hpp"
+#include "01b_writer.hpp"  // APPENDIX: traces are written atomically
 #include "02_config.hpp"
 #include "05_mxfp4.hpp"
 #include "06_situ_ffn.hpp"
@@ -151,39 +153,6 @@ inline std::size_t widened_bytes(std::uint64_t offset, std::uint64_t n) {
 inline std::uint64_t expert_slot_bound(std::uint64_t expert_bytes) {
     return round_up(std::size_t(expert_bytes), kPageAlign) + kPageAlign;
 }
-
-namespace detail {
-
-// Reads file bytes from `start` (4096-aligned) into dst (4096-aligned) through an O_DIRECT descriptor,
-// asking for `want` bytes (a multiple of 4096) and requiring the first `need` of them. Returns the bytes
-// that arrived, or 0 (nothing read) when the descriptor refuses O_DIRECT with EINVAL. A short read
-// that leaves the position unaligned (a device returning odd sizes) is finished through the buffered
-// descriptor `fd`, since O_DIRECT cannot continue from an unaligned offset.
-inline std::size_t pread_direct(int direct_fd, int fd, std::byte* dst, std::uint64_t start, std::size_t want,
-                                std::size_t need, const std::string& path) {
-    std::size_t done = 0;
-    while (done < need) {
-        if (done % kPageAlign != 0) {
-            pread_exact(fd, dst + done, need - done, start + done, path);
-            return need;
-        }
-        const std::size_t ask = std::min<std::size_t>(want - done, std::size_t(1) << 30);  // 1 GiB per call
-        const ssize_t got = pread_hook(direct_fd, dst + done, ask, off_t(start + done));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0 && errno == EINVAL && done == 0) return 0;  // O_DIRECT refused here: caller reads buffered
-        if (got < 0)
-            fail(ErrorKind::io, path + ": read of " + std::to_string(want) + " bytes at offset " + std::to_string(start) +
-                                    " failed: " + errno_text(errno));
-        if (got == 0)
-            fail(ErrorKind::io, path + ": unexpected end of file: read of " + std::to_string(want) + " bytes at offset " +
-                                    std::to_string(start) + " got only " + std::to_string(done) + " of the " +
-                                    std::to_string(need) + " needed");
-        done += std::size_t(got);
-    }
-    return done;  // may be less than want: the widened read stopped at end of file after the last needed byte
-}
-
-}  // namespace detail
 
 // Reads routed experts of a bound model (chapter 02) into caller-owned, 4096-aligned slots. Thread-safe:
 // several reads may run at once. `m` must outlive the store.

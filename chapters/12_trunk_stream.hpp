@@ -73,6 +73,7 @@
 
 #include "00_numerics.hpp"
 #include "01_safetensors.hpp"
+#include "01b_writer.hpp"  // APPENDIX: trunk.json and trunk.bin are written atomically
 #include "02_config.hpp"
 #include "04_matvec_bf16.hpp"
 #include "11_expert_cache.hpp"

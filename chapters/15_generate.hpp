@@ -100,6 +100,7 @@
 #include <vector>
 
 #include "00_numerics.hpp"
+#include "01b_writer.hpp"  // APPENDIX: sessions are saved atomically
 #include "13_model.hpp"
 #include "14_tokenizer.hpp"
 

@@ -1,6 +1,7 @@
 // Tests for chapter 01: safetensors. The heart is a corpus of broken files, each crafted byte by byte,
 // each with the error it must produce. None may crash or trip a sanitizer (make debug).
 #include "../chapters/01_safetensors.hpp"
+#include "../chapters/01b_writer.hpp"
 
 #include <sys/stat.h>
 

@@ -1,4 +1,5 @@
 // Tests for chapter 02: config, binding and the census. Section numbers match the chapter.
+#include "../chapters/01b_writer.hpp"
 #include "../chapters/02_config.hpp"
 
 #include <fstream>
