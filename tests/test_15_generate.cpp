@@ -3,6 +3,7 @@
 // chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
+#include "../chapters/15a_session_file.hpp"
 
 #include <cstring>
 #include <limits>
@@ -418,10 +419,18 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     other[12] ^= 1;  // the config fingerprint
     write(other);
     CHECK(error().find("the session was made for a different model") != std::string::npos);
-    std::string v2 = bytes;
-    v2[8] = 2;  // the version
-    write(v2);
-    CHECK(error().find("session format version 2, this program reads 1") != std::string::npos);
+    std::string v1 = bytes;
+    v1[8] = 1;  // the version (1: before checksums)
+    write(v1);
+    CHECK(error().find("session format version 1, this program reads 2 (version 1 files carry no checksum") != std::string::npos);
+    // one flipped bit anywhere after the header: the checksum refuses it (was: loaded, and replies were garbage)
+    for (const std::size_t at : {std::size_t(30), bytes.size() / 2, bytes.size() - 20, bytes.size() - 1}) {
+        std::string flipped = bytes;
+        flipped[at] ^= 0x10;
+        write(flipped);
+        CAPTURE(at);
+        CHECK(error().find("the session file is damaged: its checksum does not match") != std::string::npos);
+    }
     write(bytes.substr(0, bytes.size() - 100));
     const std::string truncated = error();
     CAPTURE(truncated);
@@ -442,10 +451,12 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     std::string oov = bytes;
     const std::int64_t bad_id = 9999;
     std::memcpy(&oov[36 + 8 * n], &bad_id, 8);
+    seal_session(oov);
     write(oov);
     CHECK(error().find("pending tokens token 0 is id 9999, outside the vocabulary (512)") != std::string::npos);
     std::string oov_history = bytes;
     std::memcpy(&oov_history[28 + 8 * 3], &bad_id, 8);
+    seal_session(oov_history);
     write(oov_history);
     CHECK(error().find("history token 3 is id 9999") != std::string::npos);
     // a history one token short of its caches (file length consistent with n - 1): refused by size
@@ -460,12 +471,14 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     const float nan = std::numeric_limits<float>::quiet_NaN();
     std::string nan_kda = bytes;
     std::memcpy(&nan_kda[kda0 + 24], &nan, 4);
+    seal_session(nan_kda);
     write(nan_kda);
     CHECK(error().find("KDA state: the saved conv history holds nan at index 0") != std::string::npos);
     const std::size_t kda_bytes = KdaState(KdaDims::from(t.model.config)).bytes();
     const std::size_t mla0 = kda0 + std::size_t(t.model.config.count(AttnKind::KDA)) * (24 + kda_bytes);
     std::string nan_mla = bytes;
     std::memcpy(&nan_mla[mla0 + 24 + 4 * 5], &nan, 4);
+    seal_session(nan_mla);
     write(nan_mla);
     CHECK(error().find("loading the KV cache: position 0 holds nan") != std::string::npos);
     // two caches whose lengths disagree with the history though the file's length adds up
@@ -474,6 +487,7 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     const std::uint64_t longer = n + 1, shorter = n - 1;
     std::memcpy(&uneven[mla0 + 16], &longer, 8);
     std::memcpy(&uneven[mla0 + mla_bytes + 16], &shorter, 8);
+    seal_session(uneven);
     write(uneven);
     CHECK(error().find("holds " + std::to_string(n + 1) + " positions for " + std::to_string(n) + " tokens of history") != std::string::npos);
     // a directory or a FIFO is not a session file
@@ -492,4 +506,33 @@ TEST_CASE("15.8 the tokenizer must cover exactly the model's vocabulary") {
     c.vocab_size = 520;
     test::expect_error([&] { require_same_vocabulary(tiny(), c, "tiny"); }, ErrorKind::format,
                        {"tiny: the tokenizer has 512 ids (480 BPE ranks + 32 special tokens), the model's vocab_size is 520"});
+}
+
+TEST_CASE("15.8 a session from another model of the same shape (top-2 instead of top-4 routing) is refused by the model fingerprint") {
+    TempFile f;
+    TinyChat t;
+    Chat c(t.model.config, 64);
+    turn(t.model, c, "Hi.");
+    save_chat(f.path, t.model, c);
+    // the tiny K3 with two experts per token: every shape the same (was: loaded, though the help said refused)
+    test::TempDir dir;
+    for (const auto& e : std::filesystem::directory_iterator(test::source_path("fixtures/tiny-k3")))
+        if (e.path().filename() != "config.json") std::filesystem::create_symlink(e.path(), dir.path + "/" + e.path().filename().string());
+    nlohmann::json cfg = nlohmann::json::parse(std::ifstream(test::source_path("fixtures/tiny-k3/config.json")));
+    cfg["text_config"]["num_experts_per_token"] = 2;
+    std::ofstream(dir.path + "/config.json") << cfg.dump(2);
+    ModelOptions o;
+    Model top2(dir.path, o);
+    REQUIRE(config_fingerprint(top2.config) == config_fingerprint(t.model.config));
+    CHECK(model_fingerprint(top2) != model_fingerprint(t.model));
+    Chat d(top2.config, 64);
+    try {
+        load_chat(f.path, top2, d);
+        FAIL("loaded");
+    } catch (const Error& e) {
+        CHECK(std::string(e.what()).find("made for another model of the same shape") != std::string::npos);
+    }
+    Chat same(t.model.config, 64);
+    load_chat(f.path, t.model, same);  // and the model that saved it loads it
+    CHECK(same.session.tokens == c.session.tokens);
 }

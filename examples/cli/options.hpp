@@ -47,7 +47,7 @@ class Options {
         const std::optional<std::string> s = text(name);
         if (!s) return std::nullopt;
         const std::uint64_t v = std::uint64_t(parse_count(*s, name, usage_, (long long)std::min<std::uint64_t>(hi, 1ull << 62)));
-        if (v < lo) refuse(name + ": must be at least " + std::to_string(lo));
+        if (v < lo) refuse(name + " must be at least " + std::to_string(lo));
         return v;
     }
     // Any 64-bit unsigned integer (seeds).
@@ -116,7 +116,7 @@ inline ModelArgs model_args(Options& o) {
     m.budget = budget_bytes(budget.value_or(""), preset.value_or(""), o.usage());
     m.context = o.count("--context", 1, std::uint64_t(kMaxPositions));
     m.trunk = o.text("--trunk").value_or("");
-    if (const auto t = o.count("--threads", 1, 4096)) m.threads = int(*t);
+    if (const auto t = o.text("--threads")) m.threads = parse_threads(*t, o.usage());
     m.direct = !o.flag("--no-direct");
     return m;
 }

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "common.hpp"
+#include "options.hpp"
 
 namespace kimik3::cli {
 
@@ -145,73 +146,202 @@ inline std::string model_summary(const Model& model, const std::string& dir) {
     return s;
 }
 
+// One row of the per-step table (and of --out's "steps").
+struct StepRow {
+    std::size_t step, tokens;            // step: the first token it yielded; tokens: fed (a prompt chunk, 1, 1 + drafts)
+    std::int64_t token;                  // the (first) token the step yielded
+    double seconds, io_wait;             // io_wait: time the computation waited on reads
+    std::uint64_t bytes, retained, requests;
+    std::vector<double> layers;          // seconds per layer
+    double head;                         // embedding + final mix + lm_head
+    std::uint64_t trunk_bytes, expert_bytes, embed_rows;
+    std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
+};
+
+// What a run produced, for the report and the output files.
+struct RunResult {
+    std::vector<float> logits;  // (positions, V)
+    std::vector<std::int64_t> ids, out_ids;
+    std::vector<StepRow> rows;
+    std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
+    bool teacher_forcing = false;
+    double load_seconds = 0, run_seconds = 0, wall = 0;
+};
+
+// ---- kimik3 run: parse, build, run, report ----------------------------------------------------------
+struct RunArgs {
+    std::string dir, ids, prompt, prompt_file, dump, trace, out;
+    ModelArgs model;
+    SamplingParams sampling;
+    ThinkArgs think;
+    std::size_t gen = 16, chunk = 32, speculate = 0;
+    bool recompute = false, raw = false, quiet = false;
+};
+
+// Every option, checked before anything is read; every output known writable.
+inline RunArgs parse_run(std::vector<std::string> args) {
+    Options o(std::move(args), kRunUsage);
+    RunArgs r;
+    r.ids = o.text("--ids").value_or(""), r.prompt = o.text("--prompt").value_or(""), r.prompt_file = o.text("--prompt-file").value_or("");
+    r.gen = std::size_t(o.count("--gen", 0, std::uint64_t(kMaxPositions)).value_or(16));
+    r.chunk = std::size_t(o.count("--prefill-chunk", 1, 1ull << 40).value_or(32));
+    r.dump = o.text("--dump-logits").value_or(""), r.trace = o.text("--trace-experts").value_or(""), r.out = o.text("--out").value_or("");
+    r.sampling = sampling_args(o);
+    r.speculate = speculate_arg(o);
+    r.model = model_args(o);
+    r.think = think_args(o);
+    r.recompute = o.flag("--recompute"), r.raw = o.flag("--raw"), r.quiet = o.flag("--quiet");
+    r.dir = o.positional(1, "MODEL_DIR")[0];
+    if (!r.ids.empty() + !r.prompt.empty() + !r.prompt_file.empty() != 1) o.refuse("give exactly one of --ids, --prompt, --prompt-file");
+    if (r.model.threads > 0) set_threads(r.model.threads);
+    if (r.speculate && r.recompute) o.refuse("--speculate and --recompute do not go together (--recompute starts every token afresh)");
+    if (r.speculate && r.gen == 0) o.refuse("--speculate needs tokens to generate (--gen 1 or more)");
+    require_writable(r.dump, "--dump-logits", kRunUsage);
+    require_writable(r.out, "--out", kRunUsage);
+    require_writable(r.trace, "--trace-experts", kRunUsage);
+    if (!r.trace.empty()) require_writable(r.trace + ".csv", "--trace-experts", kRunUsage);
+    return r;
+}
+
+// The ids to run: --ids as given, or the prompt's text through the tokenizer (as one user turn of the
+// chat format unless --raw). `tok` is loaded when there is text.
+inline std::vector<std::int64_t> run_input(const RunArgs& a, std::optional<Tokenizer>& tok) {
+    std::vector<std::int64_t> ids;
+    if (!a.ids.empty()) return parse_ids(a.ids);
+    tok = Tokenizer::load(a.dir);
+    // a prompt file is a regular file of at most 64 MiB (a directory, a FIFO or a device is refused)
+    const std::string text = a.prompt_file.empty() ? a.prompt : read_file_capped(a.prompt_file, 64u << 20, "prompt file");
+    std::vector<std::uint32_t> enc;
+    if (a.raw) enc = tok->encode(text);
+    else {
+        const ChatMessage user{"user", text};
+        ChatOptions co;
+        co.thinking = a.think.think;
+        co.thinking_effort = a.think.effort;
+        enc = render_chat(*tok, std::span<const ChatMessage>(&user, 1), co);
+    }
+    return {enc.begin(), enc.end()};
+}
+
+// The output files (--dump-logits, --trace-experts, --out) and the report on stderr.
+inline void report_run(Model& model, const RunArgs& a, const std::optional<Tokenizer>& tok, const RunResult& r) {
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    const std::string &dir = a.dir, &dump = a.dump, &trace_path = a.trace, &out_path = a.out;
+    const std::size_t gen = a.gen, speculate = a.speculate;
+    const bool recompute = a.recompute, teacher_forcing = r.teacher_forcing;
+    const std::vector<float>& logits = r.logits;
+    const std::vector<std::int64_t>&ids = r.ids, &out_ids = r.out_ids;
+    const std::vector<StepRow>& rows = r.rows;
+    const std::int64_t stop_token = r.stop_token;
+    const double load_seconds = r.load_seconds, run_seconds = r.run_seconds, wall = r.wall;
+    // outputs and the report
+    if (!dump.empty()) write_npy(dump, logits, logits.size() / V, V);
+    if (!trace_path.empty() && model.experts()) {
+        write_trace(trace_path, model.experts()->trace());
+        write_trace_histogram(trace_path + ".csv", model.experts()->trace());
+    }
+    const IoSnapshot io = io_snapshot(model);
+    const std::uint64_t rss = peak_rss_bytes();
+    const double blocked = io.trunk_wait + io.expert_wait;
+    std::fprintf(stderr, "report\n  model %s\n", model_summary(model, dir).c_str());
+    std::fprintf(stderr, "  kernels: bf16 %s, MXFP4 %s, %d threads (this CPU runs %s; KIMIK3_ISA=xsimd|avx2|avx512 caps the choice)\n",
+                 bf16_kernel_name(), mxfp4_kernel_name(), max_threads(), isa_name(cpu_isa()));
+    if (!teacher_forcing) {
+        if (stop_token >= 0)
+            std::fprintf(stderr, "  stopped at the stop token %s (id %lld) after %zu generated tokens (--gen %zu not reached)\n",
+                         [&] { const std::uint32_t u = std::uint32_t(stop_token); return tok->decode(std::span<const std::uint32_t>(&u, 1)); }().c_str(), (long long)stop_token, out_ids.size() - 1, gen);
+        else
+            std::fprintf(stderr, "  stopped after --gen %zu tokens (no stop token)\n", gen);
+    }
+    std::fprintf(stderr, "  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
+                 human_bytes(double(model.plan.total())).c_str());
+    std::fprintf(stderr, "  wall %.3f s (load %.3f s, run %.3f s); waiting on I/O %.3f s = %.0f%% of the run\n", wall, load_seconds, run_seconds,
+                 blocked, run_seconds > 0 ? 100.0 * blocked / run_seconds : 0.0);
+    std::fprintf(stderr, "  trunk: %s read at start, %s streamed (%.0f MB/s while reading)\n",
+                 human_bytes(double(model.trunk().stats().startup_bytes)).c_str(), human_bytes(double(io.trunk)).c_str(),
+                 io.trunk_read > 0 ? double(io.trunk) / 1e6 / io.trunk_read : 0.0);
+    if (model.experts() && model.experts()->slot_uses > model.experts()->experts_requested)
+        std::fprintf(stderr, "  chunked prefill: %llu (token, expert) uses served by %llu expert fetches: %s of expert reads saved\n",
+                     (unsigned long long)model.experts()->slot_uses, (unsigned long long)model.experts()->experts_requested,
+                     human_bytes(double(model.experts()->slot_uses - model.experts()->experts_requested) * double(model.census.expert_bytes)).c_str());
+    if (model.experts())
+        std::fprintf(stderr, "  experts: %llu requests, %llu hits (%llu retained from earlier steps), %llu misses, %llu evictions; %s read (%.0f MB/s)\n",
+                     (unsigned long long)io.cache.requests, (unsigned long long)io.cache.hits, (unsigned long long)io.cache.retained,
+                     (unsigned long long)io.cache.misses, (unsigned long long)io.cache.evictions, human_bytes(double(io.experts)).c_str(),
+                     io.expert_read > 0 ? double(io.experts) / 1e6 / io.expert_read : 0.0);
+    // decode: every step after the prefill (which yielded the first token), from the engine's counters
+    struct DecodeTotals {
+        std::size_t steps = 0, yielded = 0, drafted = 0, accepted = 0;
+        std::uint64_t trunk = 0, experts = 0, embed_rows = 0;
+        double seconds = 0;
+    } dec;
+    for (std::size_t i = 1; i < rows.size() && !teacher_forcing && !recompute; ++i)
+        dec.steps++, dec.yielded += rows[i].yielded, dec.drafted += rows[i].drafted, dec.accepted += rows[i].accepted,
+            dec.trunk += rows[i].trunk_bytes, dec.experts += rows[i].expert_bytes, dec.embed_rows += rows[i].embed_rows,
+            dec.seconds += rows[i].seconds;
+    if (dec.steps) {
+        const double per = 1.0 / double(dec.yielded);
+        std::fprintf(stderr, "  decode: %zu steps yielded %zu tokens (%.2f per step), %.3f s per token; read per token: trunk %s + experts %s = %s\n",
+                     dec.steps, dec.yielded, double(dec.yielded) / double(dec.steps), dec.seconds * per, human_bytes(double(dec.trunk) * per).c_str(),
+                     human_bytes(double(dec.experts) * per).c_str(), human_bytes(double(dec.trunk + dec.experts) * per).c_str());
+        if (speculate) {
+            // one-token steps read the same trunk pieces every step, and one embedding row per token
+            const double row = double(model.config.hidden_size) * 2;
+            const double plain_trunk = (double(dec.trunk) - double(dec.embed_rows) * row) / double(dec.steps) + (dec.embed_rows ? row : 0.0);
+            std::fprintf(stderr, "  speculation (--speculate %zu): drafted %zu, accepted %zu (%.0f%%); one-token steps would read per token:\n"
+                                 "    trunk %s (this run's pieces per step) + experts up to %s (%d per MoE layer, fewer with cache hits)\n",
+                         speculate, dec.drafted, dec.accepted, dec.drafted ? 100.0 * double(dec.accepted) / double(dec.drafted) : 0.0,
+                         human_bytes(plain_trunk).c_str(), human_bytes(double(model.plan.expert_read_per_token)).c_str(),
+                         model.config.num_experts_per_token);
+        }
+    }
+    if (!out_path.empty()) {
+        nlohmann::ordered_json j;
+        j["model"] = dir;
+        j["prompt_ids"] = ids;
+        j["generated_ids"] = out_ids;
+        j["teacher_forcing"] = teacher_forcing;
+        j["plan"] = {{"budget_bytes", model.plan.budget}, {"floor_bytes", model.plan.floor}, {"expected_bytes", model.plan.total()},
+                     {"pinned_layers", model.plan.pinned_layers()}, {"lm_head_pinned", model.plan.lm_head_pinned},
+                     {"ring_slots", model.plan.ring_slots}, {"chunk_bytes", model.plan.chunk_bytes}, {"expert_slots", model.plan.expert_slots},
+                     {"context", model.plan.context}};
+        j["timings"] = {{"wall_seconds", wall}, {"load_seconds", load_seconds}, {"run_seconds", run_seconds}};
+        j["steps"] = nlohmann::ordered_json::array();
+        for (const StepRow& r : rows)
+            j["steps"].push_back({{"step", r.step}, {"tokens_fed", r.tokens}, {"token", r.token}, {"seconds", r.seconds},
+                                  {"io_wait_seconds", r.io_wait}, {"bytes_read", r.bytes}, {"experts_retained", r.retained},
+                                  {"expert_requests", r.requests}, {"layer_seconds", r.layers}, {"head_seconds", r.head},
+                                  {"trunk_bytes", r.trunk_bytes}, {"expert_bytes", r.expert_bytes}, {"drafted", r.drafted},
+                                  {"accepted", r.accepted}, {"yielded", r.yielded}});
+        j["decode"] = {{"steps", dec.steps}, {"tokens", dec.yielded}, {"seconds", dec.seconds}, {"trunk_bytes", dec.trunk},
+                       {"expert_bytes", dec.experts}, {"speculate", speculate}, {"drafted", dec.drafted}, {"accepted", dec.accepted}};
+        j["memory"] = {{"peak_rss_bytes", rss}, {"plan_bytes", model.plan.total()}};
+        j["io"] = {{"trunk_bytes_streamed", io.trunk}, {"trunk_bytes_at_start", model.trunk().stats().startup_bytes},
+                   {"expert_bytes", io.experts}, {"blocked_on_io_seconds", blocked}, {"expert_requests", io.cache.requests},
+                   {"expert_hits", io.cache.hits}, {"expert_retained", io.cache.retained}, {"expert_misses", io.cache.misses},
+                   {"expert_evictions", io.cache.evictions},
+                   {"expert_slot_uses", model.experts() ? model.experts()->slot_uses : 0},
+                   {"expert_fetches_requested", model.experts() ? model.experts()->experts_requested : 0},
+                   {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}, {"expert_wait_seconds", io.expert_wait}};
+        SafetensorsWriter::write_text_atomic(out_path, j.dump(2) + "\n");
+    }
+}
+
 inline int cmd_run(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
     if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
-    const std::string ids_arg = take_option(args, "--ids", kRunUsage), prompt = take_option(args, "--prompt", kRunUsage),
-                      prompt_file = take_option(args, "--prompt-file", kRunUsage);
-    const std::string gen_arg = take_option(args, "--gen", kRunUsage), budget_arg = take_option(args, "--budget", kRunUsage),
-                      preset = take_option(args, "--preset", kRunUsage), context_arg = take_option(args, "--context", kRunUsage),
-                      trunk = take_option(args, "--trunk", kRunUsage), threads_arg = take_option(args, "--threads", kRunUsage),
-                      chunk_arg = take_option(args, "--prefill-chunk", kRunUsage), dump = take_option(args, "--dump-logits", kRunUsage),
-                      trace_path = take_option(args, "--trace-experts", kRunUsage), out_path = take_option(args, "--out", kRunUsage),
-                      temp_arg = take_option(args, "--temperature", kRunUsage), topk_arg = take_option(args, "--top-k", kRunUsage),
-                      topp_arg = take_option(args, "--top-p", kRunUsage), seed_arg = take_option(args, "--seed", kRunUsage),
-                      effort_arg = take_option(args, "--think-effort", kRunUsage),
-                      speculate_arg = take_option(args, "--speculate", kRunUsage);
-    const bool recompute = take_flag(args, "--recompute"), raw = take_flag(args, "--raw"), think = take_flag(args, "--think"),
-               no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
-    if (args.size() != 1 || args[0].rfind("-", 0) == 0)
-        throw Usage((args.empty() ? std::string("run needs MODEL_DIR") : "unexpected argument '" + (args.size() > 1 ? args[1] : args[0]) + "'") +
-                    "\n\n" + kRunUsage);
-    const std::string dir = args[0];
-    if ((!ids_arg.empty()) + (!prompt.empty()) + (!prompt_file.empty()) != 1)
-        throw Usage(std::string("give exactly one of --ids, --prompt, --prompt-file\n\n") + kRunUsage);
-    const std::uint64_t budget = budget_bytes(budget_arg, preset, kRunUsage);
-    const std::size_t gen = gen_arg.empty() ? 16 : std::size_t(parse_count(gen_arg, "--gen", kRunUsage, kMaxPositions));
-    const std::size_t chunk = chunk_arg.empty() ? 32 : std::size_t(parse_count(chunk_arg, "--prefill-chunk", kRunUsage));
-    if (chunk == 0) throw Usage(std::string("--prefill-chunk must be at least 1\n\n") + kRunUsage);
-    if (!threads_arg.empty()) set_threads(parse_threads(threads_arg, kRunUsage));
-    const std::string effort = parse_think_effort(effort_arg, kRunUsage);
-    if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kRunUsage);
-    // every output is known writable before anything is read
-    require_writable(dump, "--dump-logits", kRunUsage);
-    require_writable(out_path, "--out", kRunUsage);
-    require_writable(trace_path, "--trace-experts", kRunUsage);
-    if (!trace_path.empty()) require_writable(trace_path + ".csv", "--trace-experts", kRunUsage);
-    SamplingParams sp;
-    sp.temperature = temp_arg.empty() ? 0.0f : parse_real(temp_arg, "--temperature", kRunUsage, 0.0f, 100.0f);
-    sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage, 1 << 30));
-    sp.top_p = topp_arg.empty() ? 1.0f : parse_real(topp_arg, "--top-p", kRunUsage, 0.0f, 1.0f);
-    sp.seed = seed_arg.empty() ? 0 : std::uint64_t(parse_count(seed_arg, "--seed", kRunUsage));
-    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kRunUsage, 32));
-    if (!speculate_arg.empty() && speculate == 0)
-        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kRunUsage);
-    if (speculate && recompute)
-        throw Usage(std::string("--speculate and --recompute do not go together (--recompute starts every token afresh)\n\n") + kRunUsage);
-    if (speculate && gen == 0) throw Usage(std::string("--speculate needs tokens to generate (--gen 1 or more)\n\n") + kRunUsage);
+    const RunArgs a = parse_run(std::move(args));
+    const std::string &dir = a.dir, &ids_arg = a.ids, &trunk = a.model.trunk;
+    const bool recompute = a.recompute, no_direct = !a.model.direct, quiet = a.quiet;
+    [[maybe_unused]] const bool raw = a.raw, think = a.think.think;
+    const std::size_t gen = a.gen, chunk = a.chunk, speculate = a.speculate;
+    const std::uint64_t budget = a.model.budget;
+    const SamplingParams sp = a.sampling;
     const auto t_start = std::chrono::steady_clock::now();
 
     // the input: ids, or text through the tokenizer (and the chat format)
     std::optional<Tokenizer> tok;
-    std::vector<std::int64_t> ids;
-    if (!ids_arg.empty()) {
-        ids = parse_ids(ids_arg);
-    } else {
-        tok = Tokenizer::load(dir);
-        // a prompt file is a regular file of at most 64 MiB (a directory, a FIFO or a device is refused)
-        const std::string text = prompt_file.empty() ? prompt : read_file_capped(prompt_file, 64u << 20, "prompt file");
-        std::vector<std::uint32_t> enc;
-        if (raw) enc = tok->encode(text);
-        else {
-            const ChatMessage user{"user", text};
-            ChatOptions co;
-            co.thinking = think;
-            co.thinking_effort = effort;
-            enc = render_chat(*tok, std::span<const ChatMessage>(&user, 1), co);
-        }
-        ids.assign(enc.begin(), enc.end());
-    }
+    const std::vector<std::int64_t> ids = run_input(a, tok);
     if (ids.empty()) throw Usage("the prompt is empty\n");
     const bool teacher_forcing = gen == 0;
     if (teacher_forcing && ids_arg.empty()) throw Usage(std::string("--gen 0 (teacher forcing) needs --ids\n\n") + kRunUsage);
@@ -220,7 +350,7 @@ inline int cmd_run(std::vector<std::string> args) {
     ModelOptions mo;
     mo.budget = budget;
     mo.on_plan = show_and_check_plan;
-    mo.plan.context = context_arg.empty() ? ids.size() + gen : std::uint64_t(parse_count(context_arg, "--context", kRunUsage, kMaxPositions));
+    mo.plan.context = a.model.context.value_or(ids.size() + gen);
     if (mo.plan.context < ids.size() + gen)
         throw Usage("--context " + std::to_string(mo.plan.context) + " is smaller than the " + std::to_string(ids.size() + gen) +
                     " positions this run needs\n");
@@ -245,16 +375,6 @@ inline int cmd_run(std::vector<std::string> args) {
     // the run
     std::vector<float> logits;  // (positions, V)
     std::vector<std::int64_t> out_ids;
-    struct StepRow {
-        std::size_t step, tokens;            // step: the first token it yielded; tokens: fed (a prompt chunk, 1, 1 + drafts)
-        std::int64_t token;                  // the (first) token the step yielded
-        double seconds, io_wait;             // io_wait: time the computation waited on reads
-        std::uint64_t bytes, retained, requests;
-        std::vector<double> layers;          // seconds per layer
-        double head;                         // embedding + final mix + lm_head
-        std::uint64_t trunk_bytes, expert_bytes, embed_rows;
-        std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
-    };
     std::vector<StepRow> rows;
     std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
     Utf8Stream utf8;
@@ -350,98 +470,8 @@ inline int cmd_run(std::vector<std::string> args) {
         fail(ErrorKind::runtime, "step " + std::to_string(rows.size()) + ": " + e.what());
     }
     const double run_seconds = seconds_since(t_run), wall = seconds_since(t_start);
-
-    // outputs and the report
-    if (!dump.empty()) write_npy(dump, logits, logits.size() / V, V);
-    if (!trace_path.empty() && model.experts()) {
-        write_trace(trace_path, model.experts()->trace());
-        write_trace_histogram(trace_path + ".csv", model.experts()->trace());
-    }
-    const IoSnapshot io = io_snapshot(model);
-    const std::uint64_t rss = peak_rss_bytes();
-    const double blocked = io.trunk_wait + io.expert_wait;
-    std::fprintf(stderr, "report\n  model %s\n", model_summary(model, dir).c_str());
-    std::fprintf(stderr, "  kernels: bf16 %s, MXFP4 %s, %d threads (this CPU runs %s; KIMIK3_ISA=xsimd|avx2|avx512 caps the choice)\n",
-                 bf16_kernel_name(), mxfp4_kernel_name(), max_threads(), isa_name(cpu_isa()));
-    if (!teacher_forcing) {
-        if (stop_token >= 0)
-            std::fprintf(stderr, "  stopped at the stop token %s (id %lld) after %zu generated tokens (--gen %zu not reached)\n",
-                         [&] { const std::uint32_t u = std::uint32_t(stop_token); return tok->decode(std::span<const std::uint32_t>(&u, 1)); }().c_str(), (long long)stop_token, out_ids.size() - 1, gen);
-        else
-            std::fprintf(stderr, "  stopped after --gen %zu tokens (no stop token)\n", gen);
-    }
-    std::fprintf(stderr, "  peak RSS %s (getrusage: quote this, not the plan; the plan expected %s)\n", human_bytes(double(rss)).c_str(),
-                 human_bytes(double(model.plan.total())).c_str());
-    std::fprintf(stderr, "  wall %.3f s (load %.3f s, run %.3f s); waiting on I/O %.3f s = %.0f%% of the run\n", wall, load_seconds, run_seconds,
-                 blocked, run_seconds > 0 ? 100.0 * blocked / run_seconds : 0.0);
-    std::fprintf(stderr, "  trunk: %s read at start, %s streamed (%.0f MB/s while reading)\n",
-                 human_bytes(double(model.trunk().stats().startup_bytes)).c_str(), human_bytes(double(io.trunk)).c_str(),
-                 io.trunk_read > 0 ? double(io.trunk) / 1e6 / io.trunk_read : 0.0);
-    if (model.experts() && model.experts()->slot_uses > model.experts()->experts_requested)
-        std::fprintf(stderr, "  chunked prefill: %llu (token, expert) uses served by %llu expert fetches: %s of expert reads saved\n",
-                     (unsigned long long)model.experts()->slot_uses, (unsigned long long)model.experts()->experts_requested,
-                     human_bytes(double(model.experts()->slot_uses - model.experts()->experts_requested) * double(model.census.expert_bytes)).c_str());
-    if (model.experts())
-        std::fprintf(stderr, "  experts: %llu requests, %llu hits (%llu retained from earlier steps), %llu misses, %llu evictions; %s read (%.0f MB/s)\n",
-                     (unsigned long long)io.cache.requests, (unsigned long long)io.cache.hits, (unsigned long long)io.cache.retained,
-                     (unsigned long long)io.cache.misses, (unsigned long long)io.cache.evictions, human_bytes(double(io.experts)).c_str(),
-                     io.expert_read > 0 ? double(io.experts) / 1e6 / io.expert_read : 0.0);
-    // decode: every step after the prefill (which yielded the first token), from the engine's counters
-    struct DecodeTotals {
-        std::size_t steps = 0, yielded = 0, drafted = 0, accepted = 0;
-        std::uint64_t trunk = 0, experts = 0, embed_rows = 0;
-        double seconds = 0;
-    } dec;
-    for (std::size_t i = 1; i < rows.size() && !teacher_forcing && !recompute; ++i)
-        dec.steps++, dec.yielded += rows[i].yielded, dec.drafted += rows[i].drafted, dec.accepted += rows[i].accepted,
-            dec.trunk += rows[i].trunk_bytes, dec.experts += rows[i].expert_bytes, dec.embed_rows += rows[i].embed_rows,
-            dec.seconds += rows[i].seconds;
-    if (dec.steps) {
-        const double per = 1.0 / double(dec.yielded);
-        std::fprintf(stderr, "  decode: %zu steps yielded %zu tokens (%.2f per step), %.3f s per token; read per token: trunk %s + experts %s = %s\n",
-                     dec.steps, dec.yielded, double(dec.yielded) / double(dec.steps), dec.seconds * per, human_bytes(double(dec.trunk) * per).c_str(),
-                     human_bytes(double(dec.experts) * per).c_str(), human_bytes(double(dec.trunk + dec.experts) * per).c_str());
-        if (speculate) {
-            // one-token steps read the same trunk pieces every step, and one embedding row per token
-            const double row = double(model.config.hidden_size) * 2;
-            const double plain_trunk = (double(dec.trunk) - double(dec.embed_rows) * row) / double(dec.steps) + (dec.embed_rows ? row : 0.0);
-            std::fprintf(stderr, "  speculation (--speculate %zu): drafted %zu, accepted %zu (%.0f%%); one-token steps would read per token:\n"
-                                 "    trunk %s (this run's pieces per step) + experts up to %s (%d per MoE layer, fewer with cache hits)\n",
-                         speculate, dec.drafted, dec.accepted, dec.drafted ? 100.0 * double(dec.accepted) / double(dec.drafted) : 0.0,
-                         human_bytes(plain_trunk).c_str(), human_bytes(double(model.plan.expert_read_per_token)).c_str(),
-                         model.config.num_experts_per_token);
-        }
-    }
-    if (!out_path.empty()) {
-        nlohmann::ordered_json j;
-        j["model"] = dir;
-        j["prompt_ids"] = ids;
-        j["generated_ids"] = out_ids;
-        j["teacher_forcing"] = teacher_forcing;
-        j["plan"] = {{"budget_bytes", model.plan.budget}, {"floor_bytes", model.plan.floor}, {"expected_bytes", model.plan.total()},
-                     {"pinned_layers", model.plan.pinned_layers()}, {"lm_head_pinned", model.plan.lm_head_pinned},
-                     {"ring_slots", model.plan.ring_slots}, {"chunk_bytes", model.plan.chunk_bytes}, {"expert_slots", model.plan.expert_slots},
-                     {"context", model.plan.context}};
-        j["timings"] = {{"wall_seconds", wall}, {"load_seconds", load_seconds}, {"run_seconds", run_seconds}};
-        j["steps"] = nlohmann::ordered_json::array();
-        for (const StepRow& r : rows)
-            j["steps"].push_back({{"step", r.step}, {"tokens_fed", r.tokens}, {"token", r.token}, {"seconds", r.seconds},
-                                  {"io_wait_seconds", r.io_wait}, {"bytes_read", r.bytes}, {"experts_retained", r.retained},
-                                  {"expert_requests", r.requests}, {"layer_seconds", r.layers}, {"head_seconds", r.head},
-                                  {"trunk_bytes", r.trunk_bytes}, {"expert_bytes", r.expert_bytes}, {"drafted", r.drafted},
-                                  {"accepted", r.accepted}, {"yielded", r.yielded}});
-        j["decode"] = {{"steps", dec.steps}, {"tokens", dec.yielded}, {"seconds", dec.seconds}, {"trunk_bytes", dec.trunk},
-                       {"expert_bytes", dec.experts}, {"speculate", speculate}, {"drafted", dec.drafted}, {"accepted", dec.accepted}};
-        j["memory"] = {{"peak_rss_bytes", rss}, {"plan_bytes", model.plan.total()}};
-        j["io"] = {{"trunk_bytes_streamed", io.trunk}, {"trunk_bytes_at_start", model.trunk().stats().startup_bytes},
-                   {"expert_bytes", io.experts}, {"blocked_on_io_seconds", blocked}, {"expert_requests", io.cache.requests},
-                   {"expert_hits", io.cache.hits}, {"expert_retained", io.cache.retained}, {"expert_misses", io.cache.misses},
-                   {"expert_evictions", io.cache.evictions},
-                   {"expert_slot_uses", model.experts() ? model.experts()->slot_uses : 0},
-                   {"expert_fetches_requested", model.experts() ? model.experts()->experts_requested : 0},
-                   {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}, {"expert_wait_seconds", io.expert_wait}};
-        SafetensorsWriter::write_text_atomic(out_path, j.dump(2) + "\n");
-    }
+    const RunResult result{std::move(logits), ids, std::move(out_ids), std::move(rows), stop_token, teacher_forcing, load_seconds, run_seconds, wall};
+    report_run(model, a, tok, result);
     return kExitOk;
 }
 
