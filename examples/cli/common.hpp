@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -80,7 +81,8 @@ inline float parse_real(const std::string& s, const std::string& name, const cha
     char* end = nullptr;
     errno = 0;
     const float v = std::strtof(s.c_str(), &end);
-    if (s.empty() || *end != '\0' || errno == ERANGE || !(v >= lo && v <= hi)) {
+    const bool overflow = errno == ERANGE && std::fabs(v) > 1.0f;  // an underflow (1e-45: a subnormal, 1e-50: 0) is a number
+    if (s.empty() || *end != '\0' || overflow || !(v >= lo && v <= hi)) {
         char range[64];
         std::snprintf(range, sizeof range, "%g to %g", double(lo), double(hi));
         throw Usage(name + ": '" + s + "' is not a number from " + range + "\n\n" + usage);

@@ -155,10 +155,10 @@ inline int cmd_chat(std::vector<std::string> args) {
         chat.pending.assign(w.ids().begin(), w.ids().end());
     };
     start();
-    struct sigaction sa {};
+    struct sigaction sa {}, old {};
     sa.sa_handler = chat_interrupt;
     sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGINT, &sa, nullptr);
+    if (::sigaction(SIGINT, nullptr, &old) == 0 && old.sa_handler != SIG_IGN) ::sigaction(SIGINT, &sa, nullptr);  // ignored (nohup, &): stays so
     std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit; Ctrl-C stops a reply\n");
     std::string line;
     while (std::fprintf(stderr, "> "), g_chat_at_prompt = true, std::getline(std::cin, line)) {
