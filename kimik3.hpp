@@ -18,5 +18,5 @@
 #include "chapters/13_model.hpp"        // the whole model: sessions, forward steps, teacher forcing, generation
 #include "chapters/14_tokenizer.hpp"    // tiktoken BPE: K3's pre-tokenizer as a scanner, merges, streaming UTF-8
 #include "chapters/15_generate.hpp"     // the XTML chat format, stop tokens, seeded sampling
-#include "chapters/15a_session_file.hpp" // APPENDIX to 15: sessions on disk, checksummed and tied to the model
+#include "chapters/15c_session_file.hpp" // APPENDIX to 15: sessions on disk, checksummed and tied to the model
 #include "chapters/16_speculative.hpp"  // drafts from the sequence itself, verified in one step, rolled back exactly

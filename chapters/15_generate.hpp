@@ -84,7 +84,7 @@
 // SECTIONS
 //   15.1 messages       15.2 rendering       15.3 stop tokens       15.4 the generator
 //   15.5 sampling       15.6 continuing a session    15.7 a chat turn
-//   15.8 sessions on disk: APPENDIX 15a (chapters/15a_session_file.hpp), the file format and its checks
+//   15.8 sessions on disk: APPENDIX 15c (chapters/15c_session_file.hpp), the file format and its checks
 // ====================================================================================================
 #pragma once
 
@@ -486,7 +486,7 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
     });
 }
 
-// 15.8 Sessions on disk: appendix 15a (chapters/15a_session_file.hpp).
+// 15.8 Sessions on disk: appendix 15c (chapters/15c_session_file.hpp).
 
 // The tokenizer and the model must agree on the id space: a tokenizer with fewer ids than the model's
 // vocabulary fails the first time the model draws one it lacks (mid-generation); one with more can

@@ -3,7 +3,7 @@
 // chapter 14 (itself checked against tiktoken), so these tests pin the structure: which markers, which
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
-#include "../chapters/15a_session_file.hpp"
+#include "../chapters/15c_session_file.hpp"
 
 #include <cstring>
 #include <limits>

@@ -1,6 +1,6 @@
 // Fuzz target: a session file (chapter 15's parse_chat, with chapters 07 and 08 loading each layer's
 // state) for the tiny K3's config at a 64-position context.
-#include "../../chapters/15a_session_file.hpp"
+#include "../../chapters/15c_session_file.hpp"
 #include "fuzz.hpp"
 
 namespace {

@@ -1,4 +1,4 @@
-// kimik3 chapter 15, APPENDIX A: sessions on disk (15.8) -- a conversation saved and resumed.
+// kimik3 chapter 15, APPENDIX C: sessions on disk (15.8) -- a conversation saved and resumed.
 // ====================================================================================================
 //
 // APPENDIX to chapter 15 (15_generate.hpp). Chapter 15's Chat holds a conversation: the token history,
