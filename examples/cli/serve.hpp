@@ -32,6 +32,12 @@
 //   depth weights of each mix, and the trunk and expert-cache counters of that step. API clients get
 //   none of it unless they ask ("kimik3": {"trace": true} in the request).
 //
+// CONNECTIONS AND ACCESS (serve_guard.hpp, and the HTTP section below)
+//   Every request is bounded before it is parsed: headers and body within deadlines and byte caps (any
+//   transfer encoding), one thread per connection, JSON nesting checked before the parser sees it. Host
+//   and Origin must be the server's own, POST bodies application/json, the key (when there is one)
+//   never empty. docs/serve.md says what that protects on a shared machine, and what it does not.
+//
 // SAME TOKENS AS `kimik3 run`
 //   Chat requests render with render_chat (thinking off unless the request turns it on); sampling is
 //   chapter 15's: temperature 0 is greedy, otherwise the token at position p takes output p of `seed`'s SplitMix64 stream (top-k
