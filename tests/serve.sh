@@ -312,6 +312,8 @@ expect_error "token id 2^64 - 1 is named as such (was: '-1')" 400 invalid_value 
 check "... 18446744073709551615 in the message" jq -e '.error.message | contains("18446744073709551615")' "$tmp/body"
 range="bytes=0-$(printf ',0-%.0s' $(seq 2699))"
 check "a Range of 2,700 ranges on / gets the page once (was: 46 MB)" sh -c "[ \$(curl -s --max-time 20 -H 'Range: $range' '$URL/' | wc -c) -lt 100000 ]"
+many=(); for i in $(seq 70); do many+=(-H "X-Field-$i: y"); done
+check "70 header fields: 431, before anything else is done" same "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "${many[@]}" "$URL/health")" 431
 # two pipelined requests on one connection: two answers (was: the second dropped)
 exec 5<>"/dev/tcp/127.0.0.1/$port"
 printf 'GET /health HTTP/1.1\r\nHost: 127.0.0.1:%s\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1:%s\r\nConnection: close\r\n\r\n' "$port" "$port" >&5
