@@ -91,10 +91,14 @@ deps:
 all: deps $(TEST_BINS) $(EX_BINS) $(CLI) $(BENCH)
 
 # ---- the command-line program (examples/kimik3.cpp) -------------------------------------------------
-# kimik3 serve links Debian's cpp-httplib, a compiled library: its header must see the same feature
-# macros the library was built with (pkg-config cpp-httplib --cflags), or the classes' layouts differ.
+# kimik3 serve links Debian's cpp-httplib, a compiled library (libcpp-httplib.so): Debian's httplib.h
+# holds declarations only, so it cannot be used header-only, and it must be compiled with the feature
+# macros the library was built with (TLS, zlib, brotli: they change the layout of Request and which
+# classes exist), which pkg-config reports. kimik3 uses none of those features (no TLS, compressed bodies
+# refused); the macros are there for the layout, and the link needs nothing but -lcpp-httplib (the
+# library brings its own dependencies). The fallback list is Debian 12's.
 # The page examples/web/index.html is embedded by the assembler (.incbin in cli/serve.hpp).
-HTTPLIB := -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
+HTTPLIB := $(shell pkg-config --cflags cpp-httplib 2>/dev/null || echo -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT)
 $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.html $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $(HTTPLIB) $< -o $@ $(LDFLAGS) -lcpp-httplib -pthread
@@ -190,7 +194,7 @@ debug-cli: deps
 
 # ---- fuzz: libFuzzer on every parser of an input file ---------------------------------------------
 # One target per input (tests/fuzz/fuzz_NAME.cpp): the safetensors header, the index, config.json with
-# the planner, the tokenizer files, the chat renderer, the session file. Each starts from seeds written
+# the planner, the tokenizer files, the chat renderer, the session file, a request body to kimik3 serve. Each starts from seeds written
 # from the fixtures, runs FUZZ_TIME seconds (each input at most 10 s and 2 GB), and fails on a crash, a
 # sanitizer report, an exception other than kimik3::Error, a timeout or an out-of-memory. A failing input
 # is left as build/fuzz/crash-* (rerun it: build/fuzz/fuzz_NAME FILE). The corpus grows in
@@ -201,7 +205,7 @@ FUZZ_TIME    ?= 20
 # a run is the same inputs on every machine: CI uses it as a regression check, not a lottery.
 FUZZ_RUNS    ?=
 FUZZ_LIMIT    = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS) -seed=1 -max_total_time=$(FUZZ_TIME),-max_total_time=$(FUZZ_TIME))
-FUZZ_TARGETS := header index config tokenizer chat session
+FUZZ_TARGETS := header index config tokenizer chat session request
 FUZZ_BINS    := $(patsubst %,build/fuzz/fuzz_%,$(FUZZ_TARGETS))
 FUZZ_FLAGS   := -std=c++20 -O1 -g -ffp-contract=off -pthread $(ARCH) -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
                 -DKIMIK3_SOURCE_DIR=\"$(CURDIR)\"
@@ -215,7 +219,7 @@ fuzz-deps:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq clang libclang-rt-dev; \
 	fi
 
-build/fuzz/fuzz_%: tests/fuzz/fuzz_%.cpp tests/fuzz/fuzz.hpp $(HEADERS) | deps fuzz-deps
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.cpp tests/fuzz/fuzz.hpp $(HEADERS) examples/cli/serve_reply.hpp | deps fuzz-deps
 	@mkdir -p $(dir $@)
 	$(FUZZ_CXX) $(FUZZ_FLAGS) $< -o $@
 

@@ -30,4 +30,5 @@
 #include "chapters/15_generate.hpp"          // the XTML chat format, stop tokens, seeded sampling
 #include "chapters/15a_reply.hpp"            // APPENDIX to 15: a reply's text by token id, never its markup
 #include "chapters/15b_tools.hpp"            // APPENDIX to 15: tools, tool choice and response formats as K3's encoder renders them
+#include "chapters/15c_session_file.hpp"     // APPENDIX to 15: sessions on disk, checksummed and tied to the model
 #include "chapters/16_speculative.hpp"       // drafts from the sequence itself, verified in one step, rolled back exactly

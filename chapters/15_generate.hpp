@@ -46,8 +46,9 @@
 //      think block (empty when its reasoning is only whitespace), with it off none does; with thinking
 //      on the chat opens with the thinking-effort message (effort max unless low, high or none). Tools,
 //      tool choice and response formats: chapter 15b.
-//   2. Sampling order of operations, all in f32: greedy (T <= 0) is the argmax, ties to the lower id,
-//      and draws nothing. Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
+//   2. Sampling order of operations, all in f32: greedy (T below kGreedyBelow = 1e-10, 0 included) is
+//      the argmax, ties to the lower id, and draws nothing; so is any T for which some logit / T
+//      overflows f32 (the limit T -> 0, instead of a draw among infinities). Otherwise z_i = logit_i / T (one IEEE division); ids sorted by z descending,
 //      ties lower id first; keep the first top_k (0 = all); e_j = exp(z_j - z_0); S = the 16-lane sum
 //      of e_j in sorted order (lane j % 16, then hsum16: chapter 00's rule); p_j = e_j / S; if top_p
 //      < 1, keep through the first j whose running sum c_j = c_{j-1} + p_j (sequential, f32) reaches
@@ -79,7 +80,8 @@
 //
 // SECTIONS
 //   15.1 messages       15.2 rendering       15.3 stop tokens       15.4 the generator
-//   15.5 sampling       15.6 continuing a session    15.7 a chat turn     15.8 sessions on disk
+//   15.5 sampling       15.6 continuing a session    15.7 a chat turn
+//   15.8 sessions on disk: APPENDIX 15c (chapters/15c_session_file.hpp), the file format and its checks
 // ====================================================================================================
 #pragma once
 
@@ -288,11 +290,16 @@ class SplitMix64 {
 // 15.5 Sampling
 // ---------------------------------------------------------------------------------------------------
 struct SamplingParams {
-    float temperature = 1.0f;  // <= 0: greedy
+    float temperature = 1.0f;  // below kGreedyBelow (0 included): greedy
     int top_k = 0;             // 0: no limit
     float top_p = 1.0f;        // >= 1: no limit
     std::uint64_t seed = 0;    // the draw for position p is SplitMix64::uniform_at(seed, p) (contract 3)
 };
+
+// Temperatures below this are the greedy limit. logit / T overflows f32 once |logit| > 3.4e38 x T: at
+// T = 2e-38 every logit above 6.8 becomes +inf and the draw is garbage (the least likely id won, in a
+// test). Above the threshold an overflow needs |logit| > 3.4e28, and sampling_candidates still catches it.
+inline constexpr float kGreedyBelow = 1e-10f;
 
 struct TokenCandidate {
     std::uint32_t id;
@@ -314,10 +321,13 @@ inline std::uint32_t greedy(std::span<const float> logits) {  // logits (V)
 inline std::vector<TokenCandidate> sampling_candidates(std::span<const float> logits, const SamplingParams& sp) {  // logits (V)
     if (logits.empty()) fail(ErrorKind::usage, "sample: no logits");
     std::vector<TokenCandidate> c(logits.size());
+    bool overflow = false;  // a finite logit whose z is not: T is too small for these logits
     for (std::uint32_t i = 0; i < logits.size(); ++i) {
         if (std::isnan(logits[i])) fail(ErrorKind::runtime, "sample: logit " + std::to_string(i) + " is NaN");
         c[i] = {i, logits[i] / sp.temperature, 0.0f, 0.0f};
+        overflow = overflow || (std::isinf(c[i].z) && std::isfinite(logits[i]));
     }
+    if (overflow) return {TokenCandidate{greedy(logits), 0.0f, 1.0f, 1.0f}};  // the limit T -> 0: the greedy id alone
     std::sort(c.begin(), c.end(), [](const TokenCandidate& a, const TokenCandidate& b) { return a.z != b.z ? a.z > b.z : a.id < b.id; });
     if (sp.top_k > 0 && std::size_t(sp.top_k) < c.size()) c.resize(std::size_t(sp.top_k));
     if (std::isinf(c[0].z) && c[0].z < 0) fail(ErrorKind::runtime, "sample: every logit is -inf");
@@ -350,7 +360,7 @@ inline std::uint32_t sample_from(std::span<const TokenCandidate> kept, float u) 
 // The token at `position` (the number of tokens before it in the sequence). Greedy uses no draw; every
 // other setting uses u = uniform_at(seed, position), the same whatever was drawn before.
 inline std::uint32_t sample(std::span<const float> logits, const SamplingParams& sp, std::uint64_t position) {  // logits (V)
-    if (!(sp.temperature > 0.0f)) return greedy(logits);
+    if (!(sp.temperature >= kGreedyBelow)) return greedy(logits);  // 0, tiny, or NaN
     const std::vector<TokenCandidate> kept = sampling_candidates(logits, sp);
     return sample_from(kept, SplitMix64::uniform_at(sp.seed, position));
 }
@@ -448,128 +458,7 @@ std::vector<std::int64_t> chat_turn(Model& model, Chat& chat, const Tokenizer& t
     });
 }
 
-// ---------------------------------------------------------------------------------------------------
-// 15.8 Sessions on disk
-// ---------------------------------------------------------------------------------------------------
-//   "KIMIK3SS" | u32 version (1) | u64 config fingerprint | u64 n tokens | n x i64 tokens
-//   | u64 n pending | n x i64 pending | per KDA layer: KdaState::save | per MLA layer: MlaCache::save
-// The fingerprint hashes every dimension the state's shape depends on, so a file from another model is
-// refused before a byte of state is trusted.
-inline std::uint64_t config_fingerprint(const Config& c) {
-    std::ostringstream o;
-    o << c.hidden_size << ' ' << c.num_hidden_layers << ' ' << c.vocab_size << ' ' << c.schedule_string() << ' ' << c.kda_num_heads
-      << ' ' << c.kda_head_dim << ' ' << c.short_conv_kernel_size << ' ' << c.num_attention_heads << ' ' << c.kv_lora_rank << ' '
-      << c.qk_rope_head_dim << ' ' << c.num_experts << ' ' << c.moe_intermediate_size << ' ' << c.routed_expert_hidden_size;
-    return fnv1a64(o.str());
-}
-
-inline constexpr char kSessionMagic[8] = {'K', 'I', 'M', 'I', 'K', '3', 'S', 'S'};
-inline constexpr std::uint32_t kSessionVersion = 1;
-
-inline std::string session_bytes(const Config& config, const Chat& chat) {
-    std::ostringstream out(std::ios::binary);
-    auto u64 = [&](std::uint64_t v) { out.write(reinterpret_cast<const char*>(&v), 8); };
-    out.write(kSessionMagic, 8);
-    out.write(reinterpret_cast<const char*>(&kSessionVersion), 4);
-    u64(config_fingerprint(config));
-    for (const auto* ids : {&chat.session.tokens, &chat.pending}) {
-        u64(ids->size());
-        out.write(reinterpret_cast<const char*>(ids->data()), std::streamsize(ids->size() * 8));
-    }
-    for (const auto& k : chat.session.kda)
-        if (k) k->save(out);
-    for (const auto& m : chat.session.mla)
-        if (m) m->save(out);
-    return out.str();
-}
-
-inline void save_chat(const std::string& path, const Model& model, const Chat& chat) {
-    SafetensorsWriter::write_text_atomic(path, session_bytes(model.config, chat));
-}
-
-// Reading one back trusts nothing: every count is checked against the model and against the file's
-// own length before anything is allocated (a file claiming 2^32 tokens is 36 bytes long, and is refused
-// as such), the file must end exactly where the last layer's state does, every id must be in the
-// vocabulary, every MLA cache must hold one position per token of history, and every saved number must
-// be finite (a NaN in a state would fail the next turn, or worse, propagate into every later one).
-namespace detail {
-struct MemoryStreamBuf : std::streambuf {  // an istream over bytes already in memory
-    MemoryStreamBuf(const char* p, std::size_t n) { setg(const_cast<char*>(p), const_cast<char*>(p), const_cast<char*>(p) + n); }
-};
-}  // namespace detail
-
-// The most bytes a session of this model at this context can take: what load_chat reads at most.
-inline std::uint64_t max_session_bytes(const Config& c, std::size_t context) {
-    const KdaDims k = KdaDims::from(c);
-    const std::uint64_t kda = 24 + 4 * (3 * (k.conv - 1) * k.width() + k.heads * k.head_dim * k.head_dim);  // KdaState::save
-    const std::uint64_t mla = 24 + 4 * std::uint64_t(context) * MlaDims::from(c).cache_width();            // MlaCache::save, full
-    return 36 + 16 * std::uint64_t(context) + std::uint64_t(c.count(AttnKind::KDA)) * kda + std::uint64_t(c.count(AttnKind::MLA)) * mla;
-}
-
-inline void parse_chat(std::string_view bytes, const std::string& path, const Config& config, Chat& chat) {
-    auto bad = [&](const std::string& what) { fail(ErrorKind::format, path + ": " + what); };
-    auto u64_at = [&](std::size_t at) {
-        std::uint64_t v = 0;
-        std::memcpy(&v, bytes.data() + at, 8);
-        return v;
-    };
-    if (bytes.size() < 20 || std::memcmp(bytes.data(), kSessionMagic, 8) != 0) bad("not a kimik3 session file");
-    std::uint32_t version = 0;
-    std::memcpy(&version, bytes.data() + 8, 4);
-    if (version != kSessionVersion)
-        bad("session format version " + std::to_string(version) + ", this program reads " + std::to_string(kSessionVersion));
-    if (u64_at(12) != config_fingerprint(config)) bad("the session was made for a different model (config fingerprint differs)");
-    // the counts, each against the context and the file's length, before any allocation
-    if (bytes.size() < 28) bad("the session file is truncated (" + std::to_string(bytes.size()) + " bytes, in the header)");
-    const std::uint64_t n = u64_at(20), ctx = chat.context;
-    if (n > ctx) bad("the history holds " + std::to_string(n) + " tokens, more than this chat's context of " + std::to_string(ctx));
-    if (bytes.size() < 36 + 8 * n) bad("the session file is truncated (" + std::to_string(bytes.size()) + " bytes, in the token history)");
-    const std::uint64_t m = u64_at(28 + 8 * n);
-    if (m > ctx - n) bad(std::to_string(m) + " pending tokens do not fit the context after " + std::to_string(n) + " of history");
-    Chat fresh(config, chat.context);
-    fresh.options = chat.options;
-    std::uint64_t want = 36 + 8 * (n + m);
-    for (const auto& k : fresh.session.kda)
-        if (k) want += 24 + k->bytes();
-    for (const auto& c : fresh.session.mla)
-        if (c) want += 24 + n * c->width() * 4;
-    if (bytes.size() != want)
-        bad("is " + std::to_string(bytes.size()) + " bytes, but a session of " + std::to_string(n) + " tokens for this model is " +
-            std::to_string(want) + (bytes.size() < want ? ": the file is truncated" : ": trailing bytes after the last layer's state"));
-    // the ids, each inside the vocabulary
-    for (auto [ids, count, at, what] : {std::tuple{&fresh.session.tokens, n, std::size_t(28), "history"},
-                                        std::tuple{&fresh.pending, m, std::size_t(36 + 8 * n), "pending tokens"}}) {
-        ids->resize(std::size_t(count));
-        if (count) std::memcpy(ids->data(), bytes.data() + at, std::size_t(count) * 8);
-        for (std::size_t i = 0; i < ids->size(); ++i)
-            if ((*ids)[i] < 0 || (*ids)[i] >= config.vocab_size)
-                bad(std::string(what) + " token " + std::to_string(i) + " is id " + std::to_string((*ids)[i]) + ", outside the vocabulary (" +
-                    std::to_string(config.vocab_size) + ")");
-    }
-    // every layer's state: checked and finite (KdaState::load, MlaCache::load), one position per token
-    detail::MemoryStreamBuf buf(bytes.data() + 36 + 8 * (n + m), bytes.size() - (36 + 8 * (n + m)));
-    std::istream in(&buf);
-    try {
-        for (auto& k : fresh.session.kda)
-            if (k) k->load(in);
-        for (auto& c : fresh.session.mla)
-            if (c) {
-                c->load(in);
-                if (c->length() != n)
-                    bad("MLA layer " + std::to_string(c->layer()) + " holds " + std::to_string(c->length()) + " positions for " +
-                        std::to_string(n) + " tokens of history");
-            }
-    } catch (const Error& e) {
-        if (e.kind == ErrorKind::format && std::string(e.what()).rfind(path, 0) == 0) throw;
-        bad("the session file is corrupt (" + std::string(e.what()) + ")");
-    }
-    chat = std::move(fresh);
-}
-
-inline void load_chat(const std::string& path, const Config& config, Chat& chat) {
-    parse_chat(read_file_capped(path, max_session_bytes(config, chat.context), "session of this model and context"), path, config, chat);
-}
-inline void load_chat(const std::string& path, const Model& model, Chat& chat) { load_chat(path, model.config, chat); }
+// 15.8 Sessions on disk: appendix 15c (chapters/15c_session_file.hpp).
 
 // The tokenizer and the model must agree on the id space: a tokenizer with fewer ids than the model's
 // vocabulary fails the first time the model draws one it lacks (mid-generation); one with more can

@@ -206,4 +206,36 @@ expect "synth: same seed, same bytes" 0 "" sh -c "'$bin' synth '$tmp/synth2' --c
 expect "synth: zero layers is refused" 2 "at least 1" "$bin" synth "$tmp/synth3" --layers 0
 expect "synth: more experts per token than experts is refused" 2 "num_experts_per_token: 4 is more than num_experts 2" "$bin" synth "$tmp/synth4" --config fixtures/tiny-k3/config.json --experts 2
 
+# ---- options are typed: an empty value is refused, never taken as absent; a temperature at the edge is greedy
+expect "run --gen '' (an unset variable) is refused" 2 "--gen: the value is empty" "$bin" run fixtures/tiny-k3 --ids 1 --gen ''
+expect "serve --api-key '' is refused" 2 "--api-key: the value is empty" "$bin" serve fixtures/tiny-k3 --api-key ''
+expect "an option given twice is refused" 2 "--gen is given twice" "$bin" run fixtures/tiny-k3 --ids 1 --gen 2 --gen 3
+greedy=$("$bin" run fixtures/tiny-k3 --ids 1,2,3 --gen 8 --quiet 2>/dev/null)
+for t in 1e-45 1e-38 2e-38 1e-6; do
+    expect "run --temperature $t is the greedy limit (2e-38 drew the least likely ids)" 0 "^$greedy\$" \
+        sh -c "'$bin' run fixtures/tiny-k3 --ids 1,2,3 --gen 8 --quiet --temperature $t --seed 1 2>/dev/null"
+done
+# ---- chat: Ctrl-C stops the reply and keeps the conversation; at the prompt it ends the program -------------
+chat_interrupt() {  # prints: the exit code, the replies finished, the replies stopped
+    set -m  # the chat in the background gets SIGINT as from a terminal (not ignored)
+    local d=$tmp/ci; rm -rf "$d"; mkdir -p "$d"; mkfifo "$d/in"
+    "$bin" chat fixtures/tiny-k3 --max-new 3000 --temperature 1 --seed 1 --budget floor < "$d/in" > "$d/out" 2> "$d/err" &
+    local pid=$!
+    exec 7>"$d/in"
+    printf 'Tell me everything.\n' >&7
+    for _ in $(seq 500); do [ "$(wc -c < "$d/out")" -gt 20 ] && break; sleep 0.01; done
+    kill -INT $pid; sleep 1
+    printf 'And now?\n' >&7 2>/dev/null
+    sleep 2
+    if [ "$1" = prompt ]; then  # once the second reply is done: at the prompt
+        for _ in $(seq 300); do [ "$(grep -c 'tokens, ' "$d/err")" = 2 ] && break; sleep 0.1; done
+        kill -INT $pid
+    fi
+    exec 7>&-
+    wait $pid
+    echo "$? $(grep -c 'tokens, ' "$d/err") $(grep -c 'stopped by Ctrl-C' "$d/err")"
+}
+expect "chat: Ctrl-C stops the reply, the next message is answered, end of input exits 0 (was: the program died)" 0 "^0 2 1\$" chat_interrupt eof
+expect "chat: Ctrl-C at the prompt ends the program (exit 130)" 0 "^130 2 1\$" chat_interrupt prompt
+
 echo "kimik3-tests: cli.sh $pass passed, $fail failed"

@@ -129,8 +129,25 @@ n=$(od -An -tu8 -j20 -N8 "$tmp/good.session" | tr -d ' ')                # token
 m=$(od -An -tu8 -j$((28 + 8 * n)) -N8 "$tmp/good.session" | tr -d ' ')   # pending tokens
 cp "$tmp/good.session" "$tmp/nan.session"
 poke "$tmp/nan.session" $((36 + 8 * (n + m) + 24)) '\x00\x00\xc0\x7f'  # the first KDA layer's conv history[0] = NaN
-expect "a NaN in a saved KDA state is refused" 0 "not loaded: .*KDA state: the saved conv history holds nan at index 0" \
+expect "a NaN in a saved KDA state is refused (by the checksum; the NaN check itself: test 15.8)" 0 "not loaded: .*damaged: its checksum does not match" \
     sh -c "printf '/load $tmp/nan.session\n/quit\n' | '$bin' chat '$tiny'"
+# one flipped bit in the middle of a state (was: loaded silently, garbage replies)
+cp "$tmp/good.session" "$tmp/flip.session"
+at=$(( $(wc -c < "$tmp/good.session") / 2 ))
+byte=$(od -An -tu1 -j$at -N1 "$tmp/good.session" | tr -d ' ')
+poke "$tmp/flip.session" $at "$(printf '\\x%02x' $((byte ^ 4)))"
+expect "a session with one bit flipped is refused" 0 "not loaded: .*damaged: its checksum does not match" \
+    sh -c "printf '/load $tmp/flip.session\n/quit\n' | '$bin' chat '$tiny'"
+# a session of the tiny K3 loaded into the same model with top-2 routing (was: loaded, though the help said refused)
+d=$(model top2); own "$d" config.json; sed -i 's/"num_experts_per_token": 4/"num_experts_per_token": 2/' "$d/config.json"
+expect "a session from another model of the same shape (top-2 routing) is refused" 0 "not loaded: .*made for another model of the same shape" \
+    sh -c "printf '/load $tmp/good.session\n/quit\n' | '$bin' chat '$d'"
+# /save never touches the user's own NAME.tmp, leaves no temporary file, and writes through a symlink
+mkdir -p "$tmp/links" && echo "the user's" > "$tmp/links/s.session.tmp" && echo old > "$tmp/links/real.session" && ln -s real.session "$tmp/links/link.session"
+printf 'Hello!\n/save %s\n/save %s\n/quit\n' "$tmp/links/s.session" "$tmp/links/link.session" | bounded "$bin" chat "$tiny" --max-new 2 > /dev/null 2>&1
+check "/save leaves the user's NAME.tmp alone" [ "$(cat "$tmp/links/s.session.tmp")" = "the user's" ]
+check "/save leaves no temporary file" [ -z "$(ls "$tmp/links" | grep '\.tmp\.')" ]
+check "/save through a symlink writes its target, the link stays" sh -c "[ -L '$tmp/links/link.session' ] && cmp -s '$tmp/links/real.session' '$tmp/links/s.session'"
 { cat "$tmp/good.session"; printf 'xx'; } > "$tmp/trailing.session"
 expect "trailing bytes after a session are refused" 0 "not loaded: .*trailing bytes" sh -c "printf '/load $tmp/trailing.session\n/quit\n' | '$bin' chat '$tiny'"
 mkdir -p "$tmp/save/adir"
@@ -221,6 +238,26 @@ for opt in --out --dump-logits --trace-experts; do
         "$bin" run "$tiny" --ids 1,2 --gen 2 $opt "$tmp/none/x"
     check "... without a plan shown" not_grep "plan for a budget" "$tmp/last.out"
 done
+# ---- 10. output files are never silently wrong (was: a symlink or device replaced by a regular file) ----------
+mkdir -p "$tmp/outs" && echo old > "$tmp/outs/real.json" && ln -s real.json "$tmp/outs/link.json" && echo "the user's" > "$tmp/outs/o.json.tmp"
+expect "--out through a symlink" 0 "" "$bin" run "$tiny" --ids 1,2 --gen 2 --quiet --out "$tmp/outs/link.json"
+check "... writes its target, the link stays a link" sh -c "[ -L '$tmp/outs/link.json' ] && jq -e '.generated_ids | length == 2' '$tmp/outs/real.json' >/dev/null"
+expect "--out next to the user's own NAME.tmp" 0 "" "$bin" run "$tiny" --ids 1,2 --gen 2 --quiet --out "$tmp/outs/o.json"
+check "... leaves it alone, and no temporary file" sh -c "[ \"\$(cat '$tmp/outs/o.json.tmp')\" = \"the user's\" ] && ! ls '$tmp/outs' | grep -q '\\.tmp\\.'"
+bounded "$bin" run "$tiny" --ids 1,2 --gen 2 --quiet --out /dev/stdout > "$tmp/outs/stdout.txt" 2>/dev/null
+check "--out /dev/stdout prints the ids, then the JSON, into what stdout is" sh -c "head -n 1 '$tmp/outs/stdout.txt' | grep -qE '^[0-9]+,[0-9]+\$' && tail -n +2 '$tmp/outs/stdout.txt' | jq -e '.generated_ids | length == 2' >/dev/null"
+check "... and /dev/stdout is still a device" [ -c /dev/null ] && [ ! -f /dev/stdout ]
+ln -s "$tmp/outs/nowhere.json" "$tmp/outs/dangling.json"
+expect "--out through a dangling symlink is refused before any weight is read" 2 "--out: cannot write '$tmp/outs/dangling.json': is a symbolic link to a file that does not exist" \
+    "$bin" run "$tiny" --ids 1,2 --gen 2 --out "$tmp/outs/dangling.json"
+expect "--dump-logits /dev/null is written as the device" 0 "" "$bin" run "$tiny" --ids 1,2 --gen 2 --quiet --dump-logits /dev/null
+check "... which stays a device" [ -c /dev/null ]
+blk=$(find /dev -maxdepth 1 -type b 2>/dev/null | head -n 1)
+if [ -n "$blk" ]; then
+    expect "--out onto a block device is refused" 2 "is a block device: refused" "$bin" run "$tiny" --ids 1,2 --gen 2 --out "$blk"
+else
+    echo "SKIPPED: --out onto a block device (no block device in /dev here)"
+fi
 
 # ---- 10. the text path ------------------------------------------------------------------------------------
 check "detokenize writes a NUL byte and what follows it" [ "$(bounded "$bin" detokenize "$tiny" 97,0,98 | od -An -c | tr -d ' \n')" = 'a\0b\n' ]

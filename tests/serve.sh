@@ -333,6 +333,86 @@ post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello,
 check "failed read: the next request is served with kimik3 run's ids" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
 kill "$SPID"
 
+# ---- hostile clients: every request bounded before it is parsed; no request crashes the server ------------
+start guard --context 4096 --max-body 64K --header-time 2 || bad "the guard server did not start"
+port=${URL##*:}
+deep_stop=$(head -c 30000 /dev/zero | tr '\0' '[')$(head -c 30000 /dev/zero | tr '\0' ']')
+printf '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"stop":%s}' "$deep_stop" > "$tmp/deep.json"
+st=$(curl -s --max-time 20 -o "$tmp/body" -w '%{http_code}' -H 'Content-Type: application/json' --data-binary @"$tmp/deep.json" "$URL/v1/chat/completions")
+check "a stop nested 30,000 deep is a 400, not a crash (was: exit 139 at 100,000)" sh -c "[ '$st' = 400 ] && jq -e '.error.code == \"invalid_json\"' '$tmp/body' >/dev/null"
+check "... and the server is up" same "$(get "$URL/health")" 200
+head -c 200000 /dev/zero | tr '\0' 'a' > "$tmp/big.txt"
+st=$(curl -s --max-time 20 -o "$tmp/body" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Transfer-Encoding: chunked' --data-binary @"$tmp/big.txt" "$URL/v1/chat/completions")
+check "a chunked body over --max-body is a 413 (was: no limit; 1 GB took 5.96 GB)" sh -c "[ '$st' = 413 ] && jq -e '.error.code == \"request_too_large\"' '$tmp/body' >/dev/null"
+st=$(curl -s --max-time 20 -o "$tmp/body" -w '%{http_code}' -H 'Content-Type: text/plain' --data-binary '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}' "$URL/v1/chat/completions")
+check "a text/plain body (a web page's simple cross-site post) is refused: 415 (was: 200)" sh -c "[ '$st' = 415 ] && jq -e '.error.code == \"unsupported_media_type\"' '$tmp/body' >/dev/null"
+st=$(curl -s --max-time 20 -o "$tmp/body" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}' "$URL/v1/chat/completions")
+check "... and so is a form post (curl's default type)" same "$st" 415
+expect_error "a body from another origin is refused: 403" 403 origin_not_allowed /v1/chat/completions \
+    '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}' -H 'Origin: http://evil.example'
+expect_error "a Host that is not the server (DNS rebinding) is refused: 421" 421 host_not_allowed /v1/chat/completions \
+    '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}' -H "Host: evil.example:$port"
+check "the page's own origin is accepted" same "$(post "$URL" /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}' -H "Origin: $URL")" 200
+expect_error "a wrong type in a nested field is a 400 naming it (was: 500, the library's text)" 400 invalid_type /v1/chat/completions \
+    '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"response_format":{"type":5}}'
+check "... the field named" jq -e '.error.param == "response_format.type"' "$tmp/body"
+printf '{"messages": "%s' "$(head -c 60000 /dev/zero | tr '\0' 'x')" > "$tmp/invalid.json"
+st=$(curl -s --max-time 20 -o "$tmp/body" -w '%{http_code}' -H 'Content-Type: application/json' --data-binary @"$tmp/invalid.json" "$URL/v1/chat/completions")
+check "an invalid body is not echoed back whole (was: 1 MB in the reply and the log)" sh -c "[ '$st' = 400 ] && [ \$(wc -c < '$tmp/body') -lt 1000 ]"
+expect_error "token id 2^64 - 1 is named as such (was: '-1')" 400 invalid_value /v1/completions '{"prompt":[1,18446744073709551615]}'
+check "... 18446744073709551615 in the message" jq -e '.error.message | contains("18446744073709551615")' "$tmp/body"
+range="bytes=0-$(printf ',0-%.0s' $(seq 2699))"
+check "a Range of 2,700 ranges on / gets the page once (was: 46 MB)" sh -c "[ \$(curl -s --max-time 20 -H 'Range: $range' '$URL/' | wc -c) -lt 100000 ]"
+many=(); for i in $(seq 70); do many+=(-H "X-Field-$i: y"); done
+check "70 header fields: 431, before anything else is done" same "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "${many[@]}" "$URL/health")" 431
+# two pipelined requests on one connection: two answers (was: the second dropped)
+exec 5<>"/dev/tcp/127.0.0.1/$port"
+printf 'GET /health HTTP/1.1\r\nHost: 127.0.0.1:%s\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1:%s\r\nConnection: close\r\n\r\n' "$port" "$port" >&5
+check "pipelined requests are all answered" same "$(timeout 10 cat <&5 | grep -c '^HTTP/1.1 200')" 2
+exec 5<&-
+# 12 clients that send one header line a second: the others are served at once, and they are cut
+slow=()
+for i in $(seq 12); do exec {fd}<>"/dev/tcp/127.0.0.1/$port"; printf 'GET /health HTTP/1.1\r\n' >&$fd; slow+=("$fd"); done
+t0=$(date +%s%N)
+st=$(get "$URL/health")
+ms=$((($(date +%s%N) - t0) / 1000000))
+check "12 slow clients hold nobody else up (was: every client blocked): /health in ${ms} ms" sh -c "[ '$st' = 200 ] && [ $ms -lt 2000 ]"
+for fd in "${slow[@]}"; do printf 'X-Slow: 1\r\n' >&$fd 2>/dev/null; done
+sleep 2.5
+cut=0
+for fd in "${slow[@]}"; do timeout 2 cat <&$fd >/dev/null 2>&1 && cut=$((cut + 1)); exec {fd}<&-; done
+check "... and each loses its connection at --header-time (2 s)" same "$cut" 12
+# another client's disconnect, from another address with the same source port, leaves a reply alone
+lport=$((40000 + RANDOM % 20000))
+curl -s --max-time 120 --local-port "$lport" -o "$tmp/long.json" -H 'Content-Type: application/json' \
+    --data-binary "{\"messages\":$(msg "Go on."),\"max_tokens\":1500,\"ignore_eos\":true,\"temperature\":0}" "$URL/v1/chat/completions" &
+cl=$!
+sleep 1
+curl -s --max-time 1 --interface 127.0.0.2 --local-port "$lport" -o /dev/null -H 'Content-Type: application/json' \
+    --data-binary "{\"messages\":$(msg "me"),\"max_tokens\":1500,\"ignore_eos\":true}" "$URL/v1/chat/completions"
+wait $cl
+check "a same-port client from another address leaving does not cut a reply (was: 865 of 3,000, as 200 'length')" \
+    jq -e '.usage.completion_tokens == 1500 and .choices[0].finish_reason == "length"' "$tmp/long.json"
+# SIGTERM during a reply: reported as the shutdown it is (was: a normal finish, finish_reason length)
+curl -s --max-time 60 -o "$tmp/cut.json" -H 'Content-Type: application/json' \
+    --data-binary "{\"messages\":$(msg "Go on."),\"max_tokens\":3000,\"ignore_eos\":true}" "$URL/v1/chat/completions" &
+cl=$!
+sleep 1
+kill -TERM "$SPID"
+wait $cl
+wait "$SPID" 2>/dev/null
+check "SIGTERM during a reply: 503 server_shutdown" jq -e '.error.code == "server_shutdown"' "$tmp/cut.json"
+# the API key: never empty; from a file or the environment
+check "serve --api-key '' is refused at start (was: authentication off)" sh -c "'$bin' serve '$model' --port 0 --api-key '' >/dev/null 2>&1; [ \$? = 2 ]"
+check "KIMIK3_API_KEY='' is refused at start" sh -c "KIMIK3_API_KEY= '$bin' serve '$model' --port 0 >/dev/null 2>&1; [ \$? = 2 ]"
+printf 'file-key\n' > "$tmp/key"
+start keyfile --context 64 --api-key-file "$tmp/key" || bad "the key-file server did not start"
+check "--api-key-file: no key, 401; the file's key, 200" sh -c "[ \"\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' '$URL/v1/models')\$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer file-key' '$URL/v1/models')\" = 401200 ]"
+kill "$SPID"
+KIMIK3_API_KEY=env-key start envkey --context 64 || bad "the env-key server did not start"
+check "KIMIK3_API_KEY: the key from the environment" same "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer env-key' "$URL/v1/models")" 200
+kill "$SPID"
+
 # ---- usage errors --------------------------------------------------------------------------------------------
 check "serve --help" sh -c "'$bin' serve --help | grep -q 'usage: kimik3 serve MODEL_DIR'"
 check "serve: a port past 65535 is a usage error" sh -c "'$bin' serve '$model' --port 70000 >/dev/null 2>&1; [ \$? = 2 ]"

@@ -303,6 +303,28 @@ TEST_CASE("1.7 the writer refuses a byte count that does not match the shape, an
     CHECK(!std::filesystem::exists(dir.file("adir.tmp")));
     expect_error([&] { SafetensorsWriter::write_text_atomic("", "x"); }, {"empty name"});
     CHECK(!std::filesystem::exists(".tmp"));
+    // a user's own NAME.tmp is never touched: the temporary file has a unique name, and is gone after
+    std::ofstream(dir.file("mine.json.tmp")) << "the user's";
+    SafetensorsWriter::write_text_atomic(dir.file("mine.json"), "new");
+    CHECK(read_file_capped(dir.file("mine.json.tmp"), 100, "t") == "the user's");
+    CHECK(read_file_capped(dir.file("mine.json"), 100, "t") == "new");
+    std::size_t left = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path))
+        left += e.path().filename().string().find(".tmp.") != std::string::npos;
+    CHECK(left == 0);
+    // a symlink is written through (its target replaced, the link kept); a dangling one is refused
+    std::ofstream(dir.file("target.json")) << "old";
+    std::filesystem::create_symlink(dir.file("target.json"), dir.file("link.json"));
+    SafetensorsWriter::write_text_atomic(dir.file("link.json"), "through");
+    CHECK(std::filesystem::is_symlink(dir.file("link.json")));
+    CHECK(read_file_capped(dir.file("target.json"), 100, "t") == "through");
+    std::filesystem::create_symlink(dir.file("nowhere.json"), dir.file("dangling.json"));
+    expect_error([&] { SafetensorsWriter::write_text_atomic(dir.file("dangling.json"), "x"); }, {"dangling.json: is a symbolic link to a file that does not exist"});
+    CHECK(!std::filesystem::exists(dir.file("nowhere.json")));
+    // a character device is written as a device (never replaced by a regular file)
+    SafetensorsWriter::write_text_atomic("/dev/null", "into the device");
+    CHECK(!std::filesystem::is_regular_file("/dev/null"));
+    expect_error([&] { w.write("/dev/null"); }, {"/dev/null: is not a regular file"});
     // Shape::numel refuses a product past 2^63 - 1 rather than wrapping
     expect_error([&] { Shape{1ll << 40, 1ll << 40}.numel(); }, {"shape [1099511627776, 1099511627776] has more elements than a 64-bit count holds"});
 }

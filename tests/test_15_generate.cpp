@@ -4,6 +4,7 @@
 // tag text, in which order. The sampling case is worked by hand in exact binary fractions.
 #include "../chapters/15_generate.hpp"
 #include "../chapters/15b_tools.hpp"
+#include "../chapters/15c_session_file.hpp"
 
 #include <cstring>
 #include <limits>
@@ -287,6 +288,25 @@ TEST_CASE("15.5 temperature agrees with hand arithmetic within 1e-6 (exp is not 
     CHECK_THROWS_AS(greedy(nan_logits), Error);
 }
 
+TEST_CASE("15.5 a temperature at the numeric edge is the greedy limit: 1e-45, 1e-38, 2e-38, 1e-6; an overflowing division too") {
+    test::Rng rng(155);
+    std::vector<float> logits = rng.floats(512, -20.0f, 20.0f);
+    logits[137] = 21.0f;  // one clear winner: the least likely id must never come out
+    for (const float t : {1e-45f, 1e-38f, 2e-38f, 1e-6f}) {
+        CAPTURE(t);
+        for (std::uint64_t p = 0; p < 64; ++p) REQUIRE(sample(logits, {.temperature = t, .seed = 7}, p) == 137);
+    }
+    // above the threshold, logits large enough to overflow logit / T: the greedy id, one candidate
+    std::vector<float> big = logits;
+    for (float& x : big) x *= 1e29f;
+    const std::vector<TokenCandidate> c = sampling_candidates(big, {.temperature = 1e-10f});
+    REQUIRE(c.size() == 1);
+    CHECK(c[0].id == 137);
+    CHECK(sample(big, {.temperature = 1e-10f, .seed = 3}, 5) == 137);
+    // and an ordinary temperature is untouched: the same ids as the contract's arithmetic
+    CHECK(sampling_candidates(logits, {.temperature = 0.5f}).size() == logits.size());
+}
+
 TEST_CASE("15.5 sampling is reproducible: the same (seed, position), the same id, in any order; greedy uses no draw") {
     test::Rng rng(15);
     const std::vector<float> logits = rng.floats(512, -4.0f, 4.0f);
@@ -439,10 +459,18 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     other[12] ^= 1;  // the config fingerprint
     write(other);
     CHECK(error().find("the session was made for a different model") != std::string::npos);
-    std::string v2 = bytes;
-    v2[8] = 2;  // the version
-    write(v2);
-    CHECK(error().find("session format version 2, this program reads 1") != std::string::npos);
+    std::string v1 = bytes;
+    v1[8] = 1;  // the version (1: before checksums)
+    write(v1);
+    CHECK(error().find("session format version 1, this program reads 2 (version 1 files carry no checksum") != std::string::npos);
+    // one flipped bit anywhere after the header: the checksum refuses it (was: loaded, and replies were garbage)
+    for (const std::size_t at : {std::size_t(30), bytes.size() / 2, bytes.size() - 20, bytes.size() - 1}) {
+        std::string flipped = bytes;
+        flipped[at] ^= 0x10;
+        write(flipped);
+        CAPTURE(at);
+        CHECK(error().find("the session file is damaged: its checksum does not match") != std::string::npos);
+    }
     write(bytes.substr(0, bytes.size() - 100));
     const std::string truncated = error();
     CAPTURE(truncated);
@@ -463,10 +491,12 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     std::string oov = bytes;
     const std::int64_t bad_id = 9999;
     std::memcpy(&oov[36 + 8 * n], &bad_id, 8);
+    seal_session(oov);
     write(oov);
     CHECK(error().find("pending tokens token 0 is id 9999, outside the vocabulary (512)") != std::string::npos);
     std::string oov_history = bytes;
     std::memcpy(&oov_history[28 + 8 * 3], &bad_id, 8);
+    seal_session(oov_history);
     write(oov_history);
     CHECK(error().find("history token 3 is id 9999") != std::string::npos);
     // a history one token short of its caches (file length consistent with n - 1): refused by size
@@ -481,12 +511,14 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     const float nan = std::numeric_limits<float>::quiet_NaN();
     std::string nan_kda = bytes;
     std::memcpy(&nan_kda[kda0 + 24], &nan, 4);
+    seal_session(nan_kda);
     write(nan_kda);
     CHECK(error().find("KDA state: the saved conv history holds nan at index 0") != std::string::npos);
     const std::size_t kda_bytes = KdaState(KdaDims::from(t.model.config)).bytes();
     const std::size_t mla0 = kda0 + std::size_t(t.model.config.count(AttnKind::KDA)) * (24 + kda_bytes);
     std::string nan_mla = bytes;
     std::memcpy(&nan_mla[mla0 + 24 + 4 * 5], &nan, 4);
+    seal_session(nan_mla);
     write(nan_mla);
     CHECK(error().find("loading the KV cache: position 0 holds nan") != std::string::npos);
     // two caches whose lengths disagree with the history though the file's length adds up
@@ -495,6 +527,7 @@ TEST_CASE("15.8 session files for another model, another version, or truncated a
     const std::uint64_t longer = n + 1, shorter = n - 1;
     std::memcpy(&uneven[mla0 + 16], &longer, 8);
     std::memcpy(&uneven[mla0 + mla_bytes + 16], &shorter, 8);
+    seal_session(uneven);
     write(uneven);
     CHECK(error().find("holds " + std::to_string(n + 1) + " positions for " + std::to_string(n) + " tokens of history") != std::string::npos);
     // a directory or a FIFO is not a session file
@@ -556,4 +589,33 @@ TEST_CASE("15b.3 OpenAI arguments become the encoder's argument blocks, a json b
     CHECK_FALSE(tool_call_from("f", nlohmann::ordered_json(" \n")).json_block);
     test::expect_error([] { tool_call_from("f", nlohmann::ordered_json("[1]")); }, ErrorKind::usage, {"not a JSON object"});
     test::expect_error([] { tool_call_from("f", nlohmann::ordered_json(3)); }, ErrorKind::usage, {"must be a JSON object"});
+}
+
+TEST_CASE("15.8 a session from another model of the same shape (top-2 instead of top-4 routing) is refused by the model fingerprint") {
+    TempFile f;
+    TinyChat t;
+    Chat c(t.model.config, 64);
+    turn(t.model, c, "Hi.");
+    save_chat(f.path, t.model, c);
+    // the tiny K3 with two experts per token: every shape the same (was: loaded, though the help said refused)
+    test::TempDir dir;
+    for (const auto& e : std::filesystem::directory_iterator(test::source_path("fixtures/tiny-k3")))
+        if (e.path().filename() != "config.json") std::filesystem::create_symlink(e.path(), dir.path + "/" + e.path().filename().string());
+    nlohmann::json cfg = nlohmann::json::parse(std::ifstream(test::source_path("fixtures/tiny-k3/config.json")));
+    cfg["text_config"]["num_experts_per_token"] = 2;
+    std::ofstream(dir.path + "/config.json") << cfg.dump(2);
+    ModelOptions o;
+    Model top2(dir.path, o);
+    REQUIRE(config_fingerprint(top2.config) == config_fingerprint(t.model.config));
+    CHECK(model_fingerprint(top2) != model_fingerprint(t.model));
+    Chat d(top2.config, 64);
+    try {
+        load_chat(f.path, top2, d);
+        FAIL("loaded");
+    } catch (const Error& e) {
+        CHECK(std::string(e.what()).find("made for another model of the same shape") != std::string::npos);
+    }
+    Chat same(t.model.config, 64);
+    load_chat(f.path, t.model, same);  // and the model that saved it loads it
+    CHECK(same.session.tokens == c.session.tokens);
 }

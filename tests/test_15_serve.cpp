@@ -119,6 +119,33 @@ TEST_CASE("15.9 every bad request is refused with a status, the field and a code
     CHECK(refusal(R"({"prompt": [1, 2]})", false).status == 0);  // token ids are a prompt
 }
 
+TEST_CASE("15.9 a hostile body is a 400 naming its field, never a crash or the library's text") {
+    // nesting: counted without parsing (strings and escapes skipped), refused past 32 levels
+    CHECK(json_nesting(R"({"a": [1, {"b": "[[[[\"]]"}]})", 100) == 3);
+    const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+    CHECK(json_nesting(deep, kMaxJsonNesting) == kMaxJsonNesting + 1);  // stops as soon as it knows
+    const ApiError d = refusal(R"({"messages":[{"role":"user","content":"hi"}],"stop":)" + deep + "}");
+    CHECK(d.status == 400);
+    CHECK(d.code == "invalid_json");
+    CHECK(d.message.find("more than 32 levels deep") != std::string::npos);
+    // a wrong type in a nested field: 400 with the field's path (was: 500, "[json.exception.type_error.302] ...")
+    const ApiError rf = refusal(R"({"messages":[{"role":"user","content":"hi"}],"response_format":{"type":5}})");
+    CHECK(rf.status == 400);
+    CHECK(rf.param == "response_format.type");
+    const ApiError part = refusal(R"({"messages":[{"role":"user","content":[{"type":5}]}]})");
+    CHECK(part.status == 400);
+    CHECK(part.param == "messages[0].content[0].type");
+    // an invalid body is not echoed whole
+    const ApiError big = refusal("{\"messages\": \"" + std::string(1000000, 'x'));
+    CHECK(big.code == "invalid_json");
+    CHECK(big.message.size() < 400);
+    // 2^64 - 1 is named as such; a seed takes the whole 64-bit range
+    const ApiError id = refusal(R"({"prompt":[1,18446744073709551615]})", false);
+    CHECK(id.message.find("token id 18446744073709551615") != std::string::npos);
+    CHECK(parse_request(R"({"prompt":[1,2],"seed":18446744073709551615})", false, tok(), kLimits).seed == ~0ull);
+    CHECK(parse_request(R"({"prompt":[1,2],"seed":-1})", false, tok(), kLimits).seed == ~0ull);
+}
+
 TEST_CASE("15.9 stop sequences: held back while they might start, cut at the first, across pieces") {
     StopMatcher none({});
     CHECK(through(none, {"ab", "cd"}) == "abcd");

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -81,7 +82,8 @@ inline float parse_real(const std::string& s, const std::string& name, const cha
     char* end = nullptr;
     errno = 0;
     const float v = std::strtof(s.c_str(), &end);
-    if (s.empty() || *end != '\0' || errno == ERANGE || !(v >= lo && v <= hi)) {
+    const bool overflow = errno == ERANGE && std::fabs(v) > 1.0f;  // an underflow (1e-45: a subnormal, 1e-50: 0) is a number
+    if (s.empty() || *end != '\0' || overflow || !(v >= lo && v <= hi)) {
         char range[64];
         std::snprintf(range, sizeof range, "%g to %g", double(lo), double(hi));
         throw Usage(name + ": '" + s + "' is not a number from " + range + "\n\n" + usage);
@@ -97,17 +99,22 @@ inline int parse_threads(const std::string& s, const char* usage) {
 }
 
 // An output file (--out, --dump-logits, --trace-experts) must be writable before the first weight is
-// read, not found unwritable after the whole run: create NAME.tmp (what the atomic writer will write)
-// and remove it again. A directory, a missing folder or a read-only place is a usage error.
+// read, not found unwritable after the whole run: where the writer will write (write_target: a symlink's
+// target, a device in place; a directory, a block device or a dangling link refused), and, for a file, a
+// temporary file created and removed again next to it. A missing folder or a read-only place is a usage
+// error.
 inline void require_writable(const std::string& path, const std::string& option, const char* usage) {
     if (path.empty()) return;
-    if (is_directory(path)) throw Usage(option + ": '" + path + "' is a directory\n\n" + usage);
-    const std::string tmp = path + ".tmp";
-    const bool existed = path_present(tmp);
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
-    if (fd < 0) throw Usage(option + ": cannot write '" + path + "': " + errno_text(errno) + "\n\n" + usage);
-    ::close(fd);
-    if (!existed) ::unlink(tmp.c_str());
+    try {
+        const WriteTarget t = write_target(path);
+        if (t.device) return;  // /dev/stdout, /dev/null, a pipe: opened when written
+        UniqueTemp probe(t);     // removed at once
+    } catch (const Error& e) {
+        std::string why = e.what();
+        if (const std::size_t at = why.rfind(": "); at != std::string::npos && why.find("cannot create") != std::string::npos) why = why.substr(at + 2);
+        else if (why.rfind(path + ": ", 0) == 0) why = why.substr(path.size() + 2);
+        throw Usage(option + ": cannot write '" + path + "': " + why + "\n\n" + usage);
+    }
 }
 
 // --think-effort: the three values K3's encoder accepts (encoding_k3.py), or "none" (no thinking-effort message).

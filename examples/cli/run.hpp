@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "common.hpp"
+#include "options.hpp"
 
 namespace kimik3::cli {
 
@@ -145,211 +146,94 @@ inline std::string model_summary(const Model& model, const std::string& dir) {
     return s;
 }
 
-inline int cmd_run(std::vector<std::string> args) {
-    if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
-    if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
-    const std::string ids_arg = take_option(args, "--ids", kRunUsage), prompt = take_option(args, "--prompt", kRunUsage),
-                      prompt_file = take_option(args, "--prompt-file", kRunUsage);
-    const std::string gen_arg = take_option(args, "--gen", kRunUsage), budget_arg = take_option(args, "--budget", kRunUsage),
-                      preset = take_option(args, "--preset", kRunUsage), context_arg = take_option(args, "--context", kRunUsage),
-                      trunk = take_option(args, "--trunk", kRunUsage), threads_arg = take_option(args, "--threads", kRunUsage),
-                      chunk_arg = take_option(args, "--prefill-chunk", kRunUsage), dump = take_option(args, "--dump-logits", kRunUsage),
-                      trace_path = take_option(args, "--trace-experts", kRunUsage), out_path = take_option(args, "--out", kRunUsage),
-                      temp_arg = take_option(args, "--temperature", kRunUsage), topk_arg = take_option(args, "--top-k", kRunUsage),
-                      topp_arg = take_option(args, "--top-p", kRunUsage), seed_arg = take_option(args, "--seed", kRunUsage),
-                      effort_arg = take_option(args, "--think-effort", kRunUsage),
-                      speculate_arg = take_option(args, "--speculate", kRunUsage);
-    const bool recompute = take_flag(args, "--recompute"), raw = take_flag(args, "--raw"), think = take_flag(args, "--think"),
-               no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
-    if (args.size() != 1 || args[0].rfind("-", 0) == 0)
-        throw Usage((args.empty() ? std::string("run needs MODEL_DIR") : "unexpected argument '" + (args.size() > 1 ? args[1] : args[0]) + "'") +
-                    "\n\n" + kRunUsage);
-    const std::string dir = args[0];
-    if ((!ids_arg.empty()) + (!prompt.empty()) + (!prompt_file.empty()) != 1)
-        throw Usage(std::string("give exactly one of --ids, --prompt, --prompt-file\n\n") + kRunUsage);
-    const std::uint64_t budget = budget_bytes(budget_arg, preset, kRunUsage);
-    const std::size_t gen = gen_arg.empty() ? 16 : std::size_t(parse_count(gen_arg, "--gen", kRunUsage, kMaxPositions));
-    const std::size_t chunk = chunk_arg.empty() ? 32 : std::size_t(parse_count(chunk_arg, "--prefill-chunk", kRunUsage));
-    if (chunk == 0) throw Usage(std::string("--prefill-chunk must be at least 1\n\n") + kRunUsage);
-    if (!threads_arg.empty()) set_threads(parse_threads(threads_arg, kRunUsage));
-    const std::string effort = parse_think_effort(effort_arg, kRunUsage);
-    if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kRunUsage);
-    // every output is known writable before anything is read
-    require_writable(dump, "--dump-logits", kRunUsage);
-    require_writable(out_path, "--out", kRunUsage);
-    require_writable(trace_path, "--trace-experts", kRunUsage);
-    if (!trace_path.empty()) require_writable(trace_path + ".csv", "--trace-experts", kRunUsage);
-    SamplingParams sp;
-    sp.temperature = temp_arg.empty() ? 0.0f : parse_real(temp_arg, "--temperature", kRunUsage, 0.0f, 100.0f);
-    sp.top_k = topk_arg.empty() ? 0 : int(parse_count(topk_arg, "--top-k", kRunUsage, 1 << 30));
-    sp.top_p = topp_arg.empty() ? 1.0f : parse_real(topp_arg, "--top-p", kRunUsage, 0.0f, 1.0f);
-    sp.seed = seed_arg.empty() ? 0 : std::uint64_t(parse_count(seed_arg, "--seed", kRunUsage));
-    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kRunUsage, 32));
-    if (!speculate_arg.empty() && speculate == 0)
-        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kRunUsage);
-    if (speculate && recompute)
-        throw Usage(std::string("--speculate and --recompute do not go together (--recompute starts every token afresh)\n\n") + kRunUsage);
-    if (speculate && gen == 0) throw Usage(std::string("--speculate needs tokens to generate (--gen 1 or more)\n\n") + kRunUsage);
-    const auto t_start = std::chrono::steady_clock::now();
+// One row of the per-step table (and of --out's "steps").
+struct StepRow {
+    std::size_t step, tokens;            // step: the first token it yielded; tokens: fed (a prompt chunk, 1, 1 + drafts)
+    std::int64_t token;                  // the (first) token the step yielded
+    double seconds, io_wait;             // io_wait: time the computation waited on reads
+    std::uint64_t bytes, retained, requests;
+    std::vector<double> layers;          // seconds per layer
+    double head;                         // embedding + final mix + lm_head
+    std::uint64_t trunk_bytes, expert_bytes, embed_rows;
+    std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
+};
 
-    // the input: ids, or text through the tokenizer (and the chat format)
-    std::optional<Tokenizer> tok;
-    std::vector<std::int64_t> ids;
-    if (!ids_arg.empty()) {
-        ids = parse_ids(ids_arg);
-    } else {
-        tok = Tokenizer::load(dir);
-        // a prompt file is a regular file of at most 64 MiB (a directory, a FIFO or a device is refused)
-        const std::string text = prompt_file.empty() ? prompt : read_file_capped(prompt_file, 64u << 20, "prompt file");
-        std::vector<std::uint32_t> enc;
-        if (raw) enc = tok->encode(text);
-        else {
-            const ChatMessage user{"user", text};
-            ChatOptions co;
-            co.thinking = think;
-            co.thinking_effort = effort;
-            enc = render_chat(*tok, std::span<const ChatMessage>(&user, 1), co);
-        }
-        ids.assign(enc.begin(), enc.end());
-    }
-    if (ids.empty()) throw Usage("the prompt is empty\n");
-    const bool teacher_forcing = gen == 0;
-    if (teacher_forcing && ids_arg.empty()) throw Usage(std::string("--gen 0 (teacher forcing) needs --ids\n\n") + kRunUsage);
-
-    // the model at the budget
-    ModelOptions mo;
-    mo.budget = budget;
-    mo.on_plan = show_and_check_plan;
-    mo.plan.context = context_arg.empty() ? ids.size() + gen : std::uint64_t(parse_count(context_arg, "--context", kRunUsage, kMaxPositions));
-    if (mo.plan.context < ids.size() + gen)
-        throw Usage("--context " + std::to_string(mo.plan.context) + " is smaller than the " + std::to_string(ids.size() + gen) +
-                    " positions this run needs\n");
-    mo.trunk_dir = trunk;
-    mo.direct = !no_direct;
-    // --budget bounds the whole process: the plan counts what is resident when it is made, and the threads
-    // this run starts (the compute team's workers, the expert readers and their read-ahead)
-    mo.plan.measure_baseline = resident_bytes;
-    mo.plan.workers = max_threads() - 1;
-    mo.plan.readers = mo.expert_readers + 1;
-    // every position's logits are kept (teacher forcing, generate), and --dump-logits copies them into the file's bytes
-    mo.plan.kept_logits = (ids.size() + gen) * (dump.empty() ? 1 : 2);
-    mo.plan.trace_positions = (ids.size() + gen) * (recompute ? gen + 1 : 1);  // --recompute re-runs the prefix every step
-    std::uint64_t last_shown = 0;
-    mo.progress = [&](const std::string& what, std::uint64_t done, std::uint64_t total) {
-        if (total > (64u << 20) && (done == total || done - last_shown > total / 20))
-            last_shown = done, std::fprintf(stderr, "\r%s %5.1f%% of %s", what.c_str(), 100.0 * double(done) / double(total), human_bytes(double(total)).c_str()),
-            std::fputs(done == total ? "\n" : "", stderr);
-    };
-    if (tok) mo.on_plan = [&](const Plan& p, const Config& c) {  // before any weight is read
-        require_same_vocabulary(*tok, c, dir);
-        show_and_check_plan(p, c);
-    };
-    Model model(dir, mo);
-    const std::size_t V = std::size_t(model.config.vocab_size);
-    for (std::int64_t id : ids)
-        if (id < 0 || std::size_t(id) >= V) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(V) + ")\n");
-    const double load_seconds = seconds_since(t_start);
-
-    // the run
+// What a run produced, for the report and the output files.
+struct RunResult {
     std::vector<float> logits;  // (positions, V)
-    std::vector<std::int64_t> out_ids;
-    struct StepRow {
-        std::size_t step, tokens;            // step: the first token it yielded; tokens: fed (a prompt chunk, 1, 1 + drafts)
-        std::int64_t token;                  // the (first) token the step yielded
-        double seconds, io_wait;             // io_wait: time the computation waited on reads
-        std::uint64_t bytes, retained, requests;
-        std::vector<double> layers;          // seconds per layer
-        double head;                         // embedding + final mix + lm_head
-        std::uint64_t trunk_bytes, expert_bytes, embed_rows;
-        std::size_t drafted, accepted, yielded;  // speculation (a plain step: 0, 0, 1)
-    };
+    std::vector<std::int64_t> ids, out_ids;
     std::vector<StepRow> rows;
     std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
-    std::optional<ReplyReader> reply;  // the reply's text: never the chat format's markup (--raw: every token)
-    if (tok) reply.emplace(*tok, !raw, think);
-    StepTimes times;                   // where each forward step's time went (the step table's layer columns)
-    const StopTokens stops = tok ? stop_tokens(*tok) : StopTokens{};
-    IoSnapshot prev = io_snapshot(model);
-    auto t_step = std::chrono::steady_clock::now();
-    const auto t_run = t_step;
-    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens, DecodeStep spec = {0, 0, 0, 1}) {
-        const IoSnapshot now = io_snapshot(model);
-        rows.push_back({step, tokens, token, seconds_since(t_step),
-                        (now.trunk_wait - prev.trunk_wait) + (now.expert_wait - prev.expert_wait),
-                        (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
-                        now.cache.requests - prev.cache.requests, times.layers, times.head, now.trunk - prev.trunk,
-                        now.experts - prev.experts, now.embed_rows - prev.embed_rows, spec.drafted, spec.accepted, spec.yielded});
-        if (!quiet) {
-            const StepRow& r = rows.back();
-            if (speculate) {
-                if (rows.size() == 1)
-                    std::fprintf(stderr, "%6s %5s %7s %8s %7s %8s %9s %17s %10s\n", "step", "fed", "drafted", "accepted", "yielded", "token",
-                                 "seconds", "experts retained", "MB read");
-                std::fprintf(stderr, "%6zu %5zu %7zu %8zu %7zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, r.tokens, r.drafted, r.accepted,
-                             r.yielded, (long long)r.token, r.seconds, (unsigned long long)r.retained, (unsigned long long)r.requests,
-                             double(r.bytes) / 1e6);
-            } else {
-                if (rows.size() == 1) std::fprintf(stderr, "%6s %8s %9s %17s %10s\n", "step", "token", "seconds", "experts retained", "MB read");
-                std::fprintf(stderr, "%6zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, (long long)r.token, r.seconds,
-                             (unsigned long long)r.retained, (unsigned long long)r.requests, double(r.bytes) / 1e6);
-            }
-        }
-        prev = now;
-        t_step = std::chrono::steady_clock::now();
-    };
-    try {  // a computation that fails names its step (forward names the position: non-finite logits, ...)
-        if (teacher_forcing) {
-            Session s(model.config, mo.plan.context);
-            logits.reserve(ids.size() * V);  // once: growing by doubling would hold up to twice what is kept
-            for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
-                const std::size_t n = std::min(chunk, ids.size() - t0);
-                logits.resize((t0 + n) * V);
-                forward(&logits[t0 * V], model, s, {&ids[t0], n}, {.rows = Rows::all, .times = &times});
-                record(t0, ids[t0 + n - 1], n);
-            }
-            for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
-            std::printf("\n");
-        } else {
-            // the token at position p is chosen from its logits (sampled with output p of the seed's stream)
-            auto choose = [&](std::span<const float> l, std::uint64_t position) -> std::int64_t {
-                return sp.temperature > 0 ? std::int64_t(sample(l, sp, position)) : argmax(l.data(), l.size());
-            };
-            auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
-                if (tok) {
-                    if (stops.contains(std::uint32_t(id))) {
-                        stop_token = id;
-                        return false;
-                    }
-                    const ReplyReader::Delta d = reply->push(std::uint32_t(id));
-                    std::printf("%s%s", d.reasoning.c_str(), d.content.c_str());
-                } else {
-                    std::printf("%s%lld", step ? "," : "", (long long)id);
-                }
-                std::fflush(stdout);
-                return true;
-            };
-            // chapter 13's decode loop; with --speculate, chapter 16's prompt lookup guesses
-            Session s(model.config, mo.plan.context);
-            PromptLookup drafter{.max_draft = speculate};
-            DecodeHooks hooks{.token = [&](std::int64_t id) { return out_ids.push_back(id), show(out_ids.size() - 1, id); },
-                              .step =
-                                  [&](const DecodeStep& st) {
-                                      const std::size_t first = out_ids.size() - st.yielded;  // the rows name a step's first token
-                                      record(first, out_ids[first], st.fed, st);
-                                  },
-                              .times = &times,
-                              .logits = &logits};
-            if (speculate) hooks.draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return drafter(seq, room); };
-            decode(model, s, ids, {.max_new = gen, .chunk = chunk, .recompute = recompute}, choose, hooks);
-            const ReplyReader::Delta d = reply ? reply->finish() : ReplyReader::Delta{};
-            std::printf("%s%s\n", d.reasoning.c_str(), d.content.c_str());
-        }
-    } catch (const Error& e) {
-        if (e.kind != ErrorKind::runtime) throw;
-        fail(ErrorKind::runtime, "step " + std::to_string(rows.size()) + ": " + e.what());
-    }
-    const double run_seconds = seconds_since(t_run), wall = seconds_since(t_start);
+    bool teacher_forcing = false;
+    double load_seconds = 0, run_seconds = 0, wall = 0;
+};
 
+// ---- kimik3 run: parse, build, run, report ----------------------------------------------------------
+struct RunArgs {
+    std::string dir, ids, prompt, prompt_file, dump, trace, out;
+    ModelArgs model;
+    SamplingParams sampling;
+    ThinkArgs think;
+    std::size_t gen = 16, chunk = 32, speculate = 0;
+    bool recompute = false, raw = false, quiet = false;
+};
+
+// Every option, checked before anything is read; every output known writable.
+inline RunArgs parse_run(std::vector<std::string> args) {
+    Options o(std::move(args), kRunUsage);
+    RunArgs r;
+    r.ids = o.text("--ids").value_or(""), r.prompt = o.text("--prompt").value_or(""), r.prompt_file = o.text("--prompt-file").value_or("");
+    r.gen = std::size_t(o.count("--gen", 0, std::uint64_t(kMaxPositions)).value_or(16));
+    r.chunk = std::size_t(o.count("--prefill-chunk", 1, 1ull << 40).value_or(32));
+    r.dump = o.text("--dump-logits").value_or(""), r.trace = o.text("--trace-experts").value_or(""), r.out = o.text("--out").value_or("");
+    r.sampling = sampling_args(o);
+    r.speculate = speculate_arg(o);
+    r.model = model_args(o);
+    r.think = think_args(o);
+    r.recompute = o.flag("--recompute"), r.raw = o.flag("--raw"), r.quiet = o.flag("--quiet");
+    r.dir = o.positional(1, "MODEL_DIR")[0];
+    if (!r.ids.empty() + !r.prompt.empty() + !r.prompt_file.empty() != 1) o.refuse("give exactly one of --ids, --prompt, --prompt-file");
+    if (r.model.threads > 0) set_threads(r.model.threads);
+    if (r.speculate && r.recompute) o.refuse("--speculate and --recompute do not go together (--recompute starts every token afresh)");
+    if (r.speculate && r.gen == 0) o.refuse("--speculate needs tokens to generate (--gen 1 or more)");
+    require_writable(r.dump, "--dump-logits", kRunUsage);
+    require_writable(r.out, "--out", kRunUsage);
+    require_writable(r.trace, "--trace-experts", kRunUsage);
+    if (!r.trace.empty()) require_writable(r.trace + ".csv", "--trace-experts", kRunUsage);
+    return r;
+}
+
+// The ids to run: --ids as given, or the prompt's text through the tokenizer (as one user turn of the
+// chat format unless --raw). `tok` is loaded when there is text.
+inline std::vector<std::int64_t> run_input(const RunArgs& a, std::optional<Tokenizer>& tok) {
+    std::vector<std::int64_t> ids;
+    if (!a.ids.empty()) return parse_ids(a.ids);
+    tok = Tokenizer::load(a.dir);
+    // a prompt file is a regular file of at most 64 MiB (a directory, a FIFO or a device is refused)
+    const std::string text = a.prompt_file.empty() ? a.prompt : read_file_capped(a.prompt_file, 64u << 20, "prompt file");
+    std::vector<std::uint32_t> enc;
+    if (a.raw) enc = tok->encode(text);
+    else {
+        const ChatMessage user{"user", text};
+        ChatOptions co;
+        co.thinking = a.think.think;
+        co.thinking_effort = a.think.effort;
+        enc = render_chat(*tok, std::span<const ChatMessage>(&user, 1), co);
+    }
+    return {enc.begin(), enc.end()};
+}
+
+// The output files (--dump-logits, --trace-experts, --out) and the report on stderr.
+inline void report_run(Model& model, const RunArgs& a, const std::optional<Tokenizer>& tok, const RunResult& r) {
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    const std::string &dir = a.dir, &dump = a.dump, &trace_path = a.trace, &out_path = a.out;
+    const std::size_t gen = a.gen, speculate = a.speculate;
+    const bool recompute = a.recompute, teacher_forcing = r.teacher_forcing;
+    const std::vector<float>& logits = r.logits;
+    const std::vector<std::int64_t>&ids = r.ids, &out_ids = r.out_ids;
+    const std::vector<StepRow>& rows = r.rows;
+    const std::int64_t stop_token = r.stop_token;
+    const double load_seconds = r.load_seconds, run_seconds = r.run_seconds, wall = r.wall;
     // outputs and the report
     if (!dump.empty()) write_npy(dump, logits, logits.size() / V, V);
     if (!trace_path.empty() && model.experts()) {
@@ -441,6 +325,152 @@ inline int cmd_run(std::vector<std::string> args) {
                    {"trunk_read_seconds", io.trunk_read}, {"expert_read_seconds", io.expert_read}, {"expert_wait_seconds", io.expert_wait}};
         SafetensorsWriter::write_text_atomic(out_path, j.dump(2) + "\n");
     }
+}
+
+inline int cmd_run(std::vector<std::string> args) {
+    if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
+    if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
+    const RunArgs a = parse_run(std::move(args));
+    const std::string &dir = a.dir, &ids_arg = a.ids, &trunk = a.model.trunk, &dump = a.dump;
+    const bool recompute = a.recompute, no_direct = !a.model.direct, quiet = a.quiet;
+    [[maybe_unused]] const bool raw = a.raw, think = a.think.think;
+    const std::size_t gen = a.gen, chunk = a.chunk, speculate = a.speculate;
+    const std::uint64_t budget = a.model.budget;
+    const SamplingParams sp = a.sampling;
+    const auto t_start = std::chrono::steady_clock::now();
+
+    // the input: ids, or text through the tokenizer (and the chat format)
+    std::optional<Tokenizer> tok;
+    const std::vector<std::int64_t> ids = run_input(a, tok);
+    if (ids.empty()) throw Usage("the prompt is empty\n");
+    const bool teacher_forcing = gen == 0;
+    if (teacher_forcing && ids_arg.empty()) throw Usage(std::string("--gen 0 (teacher forcing) needs --ids\n\n") + kRunUsage);
+
+    // the model at the budget
+    ModelOptions mo;
+    mo.budget = budget;
+    mo.on_plan = show_and_check_plan;
+    mo.plan.context = a.model.context.value_or(ids.size() + gen);
+    if (mo.plan.context < ids.size() + gen)
+        throw Usage("--context " + std::to_string(mo.plan.context) + " is smaller than the " + std::to_string(ids.size() + gen) +
+                    " positions this run needs\n");
+    mo.trunk_dir = trunk;
+    mo.direct = !no_direct;
+    // --budget bounds the whole process: the plan counts what is resident when it is made, and the threads
+    // this run starts (the compute team's workers, the expert readers and their read-ahead)
+    mo.plan.measure_baseline = resident_bytes;
+    mo.plan.workers = max_threads() - 1;
+    mo.plan.readers = mo.expert_readers + 1;
+    // every position's logits are kept (teacher forcing, generate), and --dump-logits copies them into the file's bytes
+    mo.plan.kept_logits = (ids.size() + gen) * (dump.empty() ? 1 : 2);
+    mo.plan.trace_positions = (ids.size() + gen) * (recompute ? gen + 1 : 1);  // --recompute re-runs the prefix every step
+    std::uint64_t last_shown = 0;
+    mo.progress = [&](const std::string& what, std::uint64_t done, std::uint64_t total) {
+        if (total > (64u << 20) && (done == total || done - last_shown > total / 20))
+            last_shown = done, std::fprintf(stderr, "\r%s %5.1f%% of %s", what.c_str(), 100.0 * double(done) / double(total), human_bytes(double(total)).c_str()),
+            std::fputs(done == total ? "\n" : "", stderr);
+    };
+    if (tok) mo.on_plan = [&](const Plan& p, const Config& c) {  // before any weight is read
+        require_same_vocabulary(*tok, c, dir);
+        show_and_check_plan(p, c);
+    };
+    Model model(dir, mo);
+    const std::size_t V = std::size_t(model.config.vocab_size);
+    for (std::int64_t id : ids)
+        if (id < 0 || std::size_t(id) >= V) throw Usage("token id " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(V) + ")\n");
+    const double load_seconds = seconds_since(t_start);
+
+    // the run
+    std::vector<float> logits;  // (positions, V)
+    std::vector<std::int64_t> out_ids;
+    std::vector<StepRow> rows;
+    std::int64_t stop_token = -1;  // the stop token that ended the generation (-1: none, --gen reached)
+    std::optional<ReplyReader> reply;  // the reply's text: never the chat format's markup (--raw: every token)
+    if (tok) reply.emplace(*tok, !raw, think);
+    StepTimes times;                   // where each forward step's time went (the step table's layer columns)
+    const StopTokens stops = tok ? stop_tokens(*tok) : StopTokens{};
+    IoSnapshot prev = io_snapshot(model);
+    auto t_step = std::chrono::steady_clock::now();
+    const auto t_run = t_step;
+    auto record = [&](std::size_t step, std::int64_t token, std::size_t tokens, DecodeStep spec = {0, 0, 0, 1}) {
+        const IoSnapshot now = io_snapshot(model);
+        rows.push_back({step, tokens, token, seconds_since(t_step),
+                        (now.trunk_wait - prev.trunk_wait) + (now.expert_wait - prev.expert_wait),
+                        (now.trunk - prev.trunk) + (now.experts - prev.experts), now.cache.retained - prev.cache.retained,
+                        now.cache.requests - prev.cache.requests, times.layers, times.head, now.trunk - prev.trunk,
+                        now.experts - prev.experts, now.embed_rows - prev.embed_rows, spec.drafted, spec.accepted, spec.yielded});
+        if (!quiet) {
+            const StepRow& r = rows.back();
+            if (speculate) {
+                if (rows.size() == 1)
+                    std::fprintf(stderr, "%6s %5s %7s %8s %7s %8s %9s %17s %10s\n", "step", "fed", "drafted", "accepted", "yielded", "token",
+                                 "seconds", "experts retained", "MB read");
+                std::fprintf(stderr, "%6zu %5zu %7zu %8zu %7zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, r.tokens, r.drafted, r.accepted,
+                             r.yielded, (long long)r.token, r.seconds, (unsigned long long)r.retained, (unsigned long long)r.requests,
+                             double(r.bytes) / 1e6);
+            } else {
+                if (rows.size() == 1) std::fprintf(stderr, "%6s %8s %9s %17s %10s\n", "step", "token", "seconds", "experts retained", "MB read");
+                std::fprintf(stderr, "%6zu %8lld %9.3f %8llu/%-8llu %10.2f\n", r.step, (long long)r.token, r.seconds,
+                             (unsigned long long)r.retained, (unsigned long long)r.requests, double(r.bytes) / 1e6);
+            }
+        }
+        prev = now;
+        t_step = std::chrono::steady_clock::now();
+    };
+    try {  // a computation that fails names its step (forward names the position: non-finite logits, ...)
+        if (teacher_forcing) {
+            Session s(model.config, mo.plan.context);
+            logits.reserve(ids.size() * V);  // once: growing by doubling would hold up to twice what is kept
+            for (std::size_t t0 = 0; t0 < ids.size(); t0 += chunk) {
+                const std::size_t n = std::min(chunk, ids.size() - t0);
+                logits.resize((t0 + n) * V);
+                forward(&logits[t0 * V], model, s, {&ids[t0], n}, {.rows = Rows::all, .times = &times});
+                record(t0, ids[t0 + n - 1], n);
+            }
+            for (std::size_t t = 0; t < ids.size(); ++t) std::printf("%s%lld", t ? "," : "", (long long)argmax(&logits[t * V], V));
+            std::printf("\n");
+        } else {
+            // the token at position p is chosen from its logits (sampled with output p of the seed's stream)
+            auto choose = [&](std::span<const float> l, std::uint64_t position) -> std::int64_t {
+                return sp.temperature > 0 ? std::int64_t(sample(l, sp, position)) : argmax(l.data(), l.size());
+            };
+            auto show = [&](std::size_t step, std::int64_t id) {  // false at a stop token
+                if (tok) {
+                    if (stops.contains(std::uint32_t(id))) {
+                        stop_token = id;
+                        return false;
+                    }
+                    const ReplyReader::Delta d = reply->push(std::uint32_t(id));
+                    std::printf("%s%s", d.reasoning.c_str(), d.content.c_str());
+                } else {
+                    std::printf("%s%lld", step ? "," : "", (long long)id);
+                }
+                std::fflush(stdout);
+                return true;
+            };
+            // chapter 13's decode loop; with --speculate, chapter 16's prompt lookup guesses
+            Session s(model.config, mo.plan.context);
+            PromptLookup drafter{.max_draft = speculate};
+            DecodeHooks hooks{.token = [&](std::int64_t id) { return out_ids.push_back(id), show(out_ids.size() - 1, id); },
+                              .step =
+                                  [&](const DecodeStep& st) {
+                                      const std::size_t first = out_ids.size() - st.yielded;  // the rows name a step's first token
+                                      record(first, out_ids[first], st.fed, st);
+                                  },
+                              .times = &times,
+                              .logits = &logits};
+            if (speculate) hooks.draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return drafter(seq, room); };
+            decode(model, s, ids, {.max_new = gen, .chunk = chunk, .recompute = recompute}, choose, hooks);
+            const ReplyReader::Delta d = reply ? reply->finish() : ReplyReader::Delta{};
+            std::printf("%s%s\n", d.reasoning.c_str(), d.content.c_str());
+        }
+    } catch (const Error& e) {
+        if (e.kind != ErrorKind::runtime) throw;
+        fail(ErrorKind::runtime, "step " + std::to_string(rows.size()) + ": " + e.what());
+    }
+    const double run_seconds = seconds_since(t_run), wall = seconds_since(t_start);
+    const RunResult result{std::move(logits), ids, std::move(out_ids), std::move(rows), stop_token, teacher_forcing, load_seconds, run_seconds, wall};
+    report_run(model, a, tok, result);
     return kExitOk;
 }
 

@@ -35,6 +35,12 @@
 //   the trunk and expert-cache counters of that step (a verify step's tokens share them). API clients get
 //   none of it unless they ask ("kimik3": {"trace": true} in the request).
 //
+// CONNECTIONS AND ACCESS (serve_guard.hpp, and the HTTP section below)
+//   Every request is bounded before it is parsed: headers and body within deadlines and byte caps (any
+//   transfer encoding), one thread per connection, JSON nesting checked before the parser sees it. Host
+//   and Origin must be the server's own, POST bodies application/json, the key (when there is one)
+//   never empty. docs/serve.md says what that protects on a shared machine, and what it does not.
+//
 // SAME TOKENS AS `kimik3 run`
 //   Chat requests render as K3's encoder renders them (chapter 15b, serve_api.hpp: tools, tool choice,
 //   response formats; thinking on unless the request turns it off, as K3's API); sampling is
@@ -49,7 +55,6 @@
 #pragma once
 
 #include <httplib.h>
-#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 #include <sys/socket.h>
@@ -67,7 +72,9 @@
 #include <thread>
 
 #include "common.hpp"
+#include "options.hpp"
 #include "run.hpp"
+#include "serve_guard.hpp"
 #include "serve_reply.hpp"
 
 // The page, embedded at build time: examples/web/index.html as bytes in .rodata (no generated file).
@@ -94,13 +101,18 @@ inline const char* kServeUsage =
     "request extends the one before.\n"
     "\n"
     "  --host ADDR       address to listen on (default 127.0.0.1: this machine only). Anything else exposes\n"
-    "                    the server to the network: give --api-key then\n"
+    "                    the server to the network: give an API key then\n"
     "  --port N          TCP port (default 8080; 0: any free port, printed at start)\n"
-    "  --api-key KEY     require 'Authorization: Bearer KEY' on /v1/ and /kimik3/ (401 otherwise)\n"
+    "  --api-key-file F  require 'Authorization: Bearer KEY' on /v1/ and /kimik3/ (401 otherwise), KEY being\n"
+    "                    the first line of F; or the environment variable KIMIK3_API_KEY; or --api-key KEY\n"
+    "                    (visible to every local user in the process list). An empty key is refused\n"
+    "  --allow-host H,.. Host header names accepted besides the address it listens on (a proxy's name)\n"
     "  --model-name ID   the model id clients send (default: MODEL_DIR's last component)\n"
     "  --context N       positions a conversation may reach (default 4096)\n"
     "  --queue N         requests that may wait while one generates (default 4; more get 503)\n"
-    "  --max-body SIZE   largest request body (default 4M; larger gets 413)\n"
+    "  --max-body SIZE   largest request body, whatever its transfer encoding (default 4M; larger gets 413)\n"
+    "  --header-time S   seconds a client has to send its request line and headers (default 10)\n"
+    "  --body-time S     seconds it has to send the body (default 30); past either, the connection is closed\n"
     "  --speculate N     speculative decoding, as for kimik3 run: the same replies, bit for bit, in fewer steps\n"
     "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --quiet           no request log on stderr\n"
@@ -113,7 +125,9 @@ inline const char* kServeUsage =
     "reasoning_content), reasoning_effort, chat_template_kwargs {thinking, thinking_effort}, tools (also in a system\n"
     "message), tool_choice (auto, none, required), response_format (text, json_object, json_schema: told, not enforced),\n"
     "kimik3 ({\"trace\": true}: per-token token ids, experts, depth weights and I/O).\n"
-    "Stop with Ctrl-C (SIGINT) or SIGTERM. Exit codes as for run.\n";
+    "Requests: POST bodies must be Content-Type: application/json; the Host header must name the server;\n"
+    "a browser page from another origin is refused. Stop with Ctrl-C (SIGINT) or SIGTERM: a reply cut by it\n"
+    "ends with the error code server_shutdown. Exit codes as for run.\n";
 
 // ---------------------------------------------------------------------------------------------------
 // The engine: one thread, one model, one live session, a bounded queue of jobs
@@ -132,7 +146,9 @@ struct Event {
 
 struct Job {
     GenRequest req;
-    std::atomic<bool> cancelled{false};
+    std::atomic<bool> cancelled{false};    // stop generating (read by the engine after every token)
+    std::atomic<bool> client_left{false};  // ... because the client closed its connection
+    std::atomic<bool> shutdown{false};     // ... because the server is stopping (SIGINT/SIGTERM)
     std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
     void push(Event e) {
         {
@@ -218,8 +234,8 @@ class Engine {
         {
             std::lock_guard<std::mutex> g(mu_);
             stopping_ = true;
-            for (auto& j : queue_) j->cancelled = true;
-            if (current_) current_->cancelled = true;
+            for (auto& j : queue_) j->shutdown = true, j->cancelled = true;
+            if (current_) current_->shutdown = true, current_->cancelled = true;
         }
         cv_.notify_all();
         if (worker_.joinable()) worker_.join();
@@ -445,40 +461,8 @@ class Engine {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// HTTP
+// HTTP: who may ask, and what a request may be (all checked before its body is read)
 // ---------------------------------------------------------------------------------------------------
-// The connection of a request (for a non-streaming reply, whose handler has no stream to ask): the
-// socket whose peer and local ports are the request's. While the handler runs, the socket is its own.
-inline int request_socket(const httplib::Request& req) {
-    DIR* d = opendir("/proc/self/fd");
-    if (!d) return -1;
-    int found = -1;
-    while (dirent* e = readdir(d)) {
-        const int fd = std::atoi(e->d_name);
-        if (fd < 3) continue;
-        sockaddr_storage peer{}, local{};
-        socklen_t pl = sizeof peer, ll = sizeof local;
-        if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
-        auto port = [](const sockaddr_storage& s) {
-            return s.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in&>(s).sin_port)
-                                          : ntohs(reinterpret_cast<const sockaddr_in6&>(s).sin6_port);
-        };
-        if (port(peer) == req.remote_port && port(local) == req.local_port) {
-            found = fd;
-            break;
-        }
-    }
-    closedir(d);
-    return found;
-}
-// False once the peer has closed its end (a read would return 0) or the socket failed.
-inline bool socket_alive(int fd) {
-    if (fd < 0) return true;  // unknown: assume alive
-    char c;
-    const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
-}
-
 inline std::string random_id(const char* prefix) {
     static std::atomic<std::uint64_t> counter{0};
     static const std::uint64_t salt = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
@@ -488,17 +472,136 @@ inline std::string random_id(const char* prefix) {
     return buf;
 }
 
-inline bool bearer_ok(const httplib::Request& req, const std::string& key) {
-    const std::string h = req.get_header_value("Authorization"), want = "Bearer " + key;
-    if (h.size() != want.size()) return false;
-    unsigned char diff = 0;  // the same time whatever matches
-    for (std::size_t i = 0; i < h.size(); ++i) diff |= static_cast<unsigned char>(h[i] ^ want[i]);
-    return diff == 0;
+inline std::string lower(std::string s) {
+    for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return s;
 }
+inline bool ip_literal(const std::string& h) {  // 127.0.0.1, or [::1] as a Host header writes it
+    unsigned char a[16];
+    if (h.size() > 2 && h.front() == '[' && h.back() == ']') return inet_pton(AF_INET6, h.substr(1, h.size() - 2).c_str(), a) == 1;
+    return inet_pton(AF_INET, h.c_str(), a) == 1;
+}
+
+// Who may use the server. The Host header must name what the server is bound to (a web page on another
+// name that resolves here, DNS rebinding, is refused), an Origin header must be the server's own (a
+// page on another site cannot post to it), and the API needs the key when there is one.
+struct Access {
+    std::string key;                  // empty: none was given (an empty key is refused at start)
+    std::vector<std::string> hosts;   // accepted Host names (lower case; IPv6 in brackets)
+    bool any_ip = false;              // bound to every address: any IP literal is a valid Host
+    int port = 0;
+    static Access bound_to(const std::string& host, int port, const std::string& allow) {
+        Access a;
+        a.port = port;
+        const std::string h = lower(host);
+        if (h == "0.0.0.0" || h == "::") a.any_ip = true, a.hosts = {"localhost"};
+        else if (h == "localhost") a.hosts = {"localhost", "127.0.0.1", "[::1]"};
+        else if (h == "::1") a.hosts = {"[::1]", "localhost"};
+        else if (h.rfind("127.", 0) == 0) a.hosts = {h, "localhost"};
+        else if (h.find(':') != std::string::npos) a.hosts = {"[" + h + "]"};
+        else a.hosts = {h};
+        for (std::size_t i = 0; i < allow.size();) {  // --allow-host a,b,c
+            const std::size_t j = std::min(allow.find(',', i), allow.size());
+            if (j > i) a.hosts.push_back(lower(allow.substr(i, j - i)));
+            i = j + 1;
+        }
+        return a;
+    }
+    bool host_ok(const std::string& header) const {
+        std::string name = lower(header), port_text;
+        const std::size_t colon = name.rfind(':');
+        if (colon != std::string::npos && name.find(']', colon) == std::string::npos)
+            port_text = name.substr(colon + 1), name.resize(colon);
+        if (port_text.empty() ? port != 80 : port_text != std::to_string(port)) return false;
+        if (any_ip && ip_literal(name)) return true;
+        return std::find(hosts.begin(), hosts.end(), name) != hosts.end();
+    }
+    bool key_ok(const httplib::Request& req) const {
+        if (key.empty()) return true;
+        const std::string h = req.get_header_value("Authorization"), want = "Bearer " + key;
+        if (h.size() != want.size()) return false;
+        unsigned char diff = 0;  // the same time whatever matches
+        for (std::size_t i = 0; i < h.size(); ++i) diff |= static_cast<unsigned char>(h[i] ^ want[i]);
+        return diff == 0;
+    }
+};
 
 inline void send_error(httplib::Response& res, const ApiError& e) {
     res.status = e.status;
     res.set_content(dump(error_json(e)) + "\n", "application/json");
+}
+// A refusal after which the connection is closed (the body, if any, was not read).
+inline httplib::Server::HandlerResponse refuse_and_close(httplib::Response& res, const ApiError& e) {
+    if (Connection* c = Connection::current()) c->close_after = true;
+    res.set_header("Connection", "close");
+    send_error(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+}
+
+// Every request, after its headers and before its body: the checks above, then what a body may be. The
+// two POST endpoints take a body of at most --max-body bytes, framed by Content-Length or chunked, not
+// compressed, of type application/json (a page's cross-site form or text/plain post is refused; a
+// cross-site application/json post needs a CORS preflight, which this server never grants).
+inline httplib::Server::HandlerResponse admit(const httplib::Request& req, httplib::Response& res, const Access& access, const HttpLimits& lim) {
+    using HR = httplib::Server::HandlerResponse;
+    auto no = [&](int status, std::string message, std::string code) { return refuse_and_close(res, ApiError{status, std::move(message), "", std::move(code)}); };
+    if (req.headers.size() > lim.max_headers + 4)  // + the four REMOTE_/LOCAL_ entries the library adds
+        return no(431, "more than " + std::to_string(lim.max_headers) + " header fields", "too_many_headers");
+    if (!req.has_header("Host") || !access.host_ok(req.get_header_value("Host")))
+        return no(421, "the Host header '" + clip(req.get_header_value("Host"), 100) + "' does not name this server (--allow-host adds names)", "host_not_allowed");
+    if (req.has_header("Origin") && lower(req.get_header_value("Origin")) != "http://" + lower(req.get_header_value("Host")))
+        return no(403, "requests from another origin ('" + clip(req.get_header_value("Origin"), 100) + "') are refused", "origin_not_allowed");
+    const bool post = req.method == "POST";
+    if (req.method != "GET" && req.method != "HEAD" && !post) return no(405, "method " + clip(req.method, 20) + " is not allowed", "method_not_allowed");
+    if (post && req.path != "/v1/chat/completions" && req.path != "/v1/completions")
+        return no(404, "no such endpoint: POST " + clip(req.path, 100), "not_found");
+    const bool api = req.path.rfind("/v1/", 0) == 0 || req.path.rfind("/kimik3/", 0) == 0;
+    if (api && !access.key_ok(req)) {
+        res.set_header("WWW-Authenticate", "Bearer");
+        return no(401, "a valid API key is required: send 'Authorization: Bearer KEY'", "invalid_api_key");
+    }
+    const std::string te = lower(req.get_header_value("Transfer-Encoding")), cl = req.get_header_value("Content-Length");
+    if (!post) {
+        if (!te.empty() || (!cl.empty() && cl != "0")) return no(400, "a " + req.method + " request has no body", "unexpected_body");
+        return HR::Unhandled;
+    }
+    if (!te.empty() && te != "chunked") return no(501, "Transfer-Encoding '" + clip(te, 40) + "' is not supported (only chunked)", "unsupported_transfer_encoding");
+    if (!te.empty() && !cl.empty()) return no(400, "a body with both Content-Length and Transfer-Encoding", "bad_request");
+    if (te.empty() && cl.empty()) return no(411, "a request body needs Content-Length (or chunked transfer encoding)", "length_required");
+    if (!cl.empty() && (cl.size() > 18 || cl.find_first_not_of("0123456789") != std::string::npos))
+        return no(400, "Content-Length '" + clip(cl, 40) + "' is not a number", "bad_request");
+    if (!cl.empty() && std::stoull(cl) > lim.max_body)
+        return no(413, "the request body is larger than this server's limit of " + std::to_string(lim.max_body) + " bytes (--max-body)", "request_too_large");
+    if (const std::string ce = lower(req.get_header_value("Content-Encoding")); !ce.empty() && ce != "identity")
+        return no(415, "Content-Encoding '" + clip(ce, 40) + "' is not accepted: send the body uncompressed", "unsupported_media_type");
+    std::string type = lower(req.get_header_value("Content-Type"));
+    type = type.substr(0, type.find(';'));
+    while (!type.empty() && type.back() == ' ') type.pop_back();
+    if (type != "application/json")
+        return no(415, "the body must be sent as Content-Type: application/json, not '" + clip(type, 60) + "'", "unsupported_media_type");
+    if (Connection* c = Connection::current()) c->begin_body();
+    return HR::Unhandled;
+}
+
+// The body of an admitted POST, at most lim.max_body bytes whatever its framing. Throws ApiError.
+inline std::string read_body(const httplib::ContentReader& reader, const HttpLimits& lim) {
+    std::string body;
+    bool too_big = false;
+    const bool ok = reader([&](const char* d, std::size_t n) {
+        if (body.size() + n > lim.max_body) return too_big = true, false;
+        body.append(d, n);
+        return true;
+    });
+    Connection* c = Connection::current();
+    if (c) c->end_receiving();
+    if (ok && !too_big) return body;
+    if (c) c->close_after = true;
+    if (too_big || (c && c->limit_hit() == Connection::Limit::size))
+        throw ApiError{413, "the request body is larger than this server's limit of " + std::to_string(lim.max_body) + " bytes (--max-body)", "",
+                       "request_too_large"};
+    if (c && c->limit_hit() == Connection::Limit::time)
+        throw ApiError{408, "the request body did not arrive within " + std::to_string(lim.body_time.count() / 1000) + " s", "", "request_timeout"};
+    throw ApiError{400, "the request body could not be read (malformed chunked encoding, or the client left)", "", "bad_request"};
 }
 
 struct ServeContext {
@@ -524,102 +627,107 @@ inline nlohmann::ordered_json timings_json(const Event& d) {
             {"reused_tokens", d.reused}};
 }
 
-inline void handle_generate(ServeContext& cx, const httplib::Request& req, httplib::Response& res, bool chat) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto job = std::make_shared<Job>();
-    try {
-        job->req = parse_request(req.body, chat, cx.tok, cx.limits);
-    } catch (const ApiError& e) {
-        if (!cx.quiet) std::fprintf(stderr, "%s %s %d %s\n", req.method.c_str(), req.path.c_str(), e.status, e.message.c_str());
-        return send_error(res, e);
-    }
-    if (!cx.engine.submit(job)) {
-        res.set_header("Retry-After", std::to_string(cx.engine.retry_after_seconds()));
-        if (!cx.quiet) std::fprintf(stderr, "%s %s 503 (queue full)\n", req.method.c_str(), req.path.c_str());
-        return send_error(res, ApiError{503, "the server is busy: one generation runs and the queue is full; retry later", "",
-                                        "server_overloaded", "server_error"});
-    }
-    const std::string id = random_id(chat ? "chatcmpl" : "cmpl");
-    const std::int64_t created = std::time(nullptr);
-    const GenRequest q = job->req;
-    const std::string model = cx.limits.model_name;
-    const bool quiet = cx.quiet;
-    const std::string what = req.method + " " + req.path;
-    auto log_done = [quiet, what, t0](const char* how, const Event& d) {
+// What one reply needs besides its events: its names, and how to log its end.
+struct ReplyInfo {
+    std::string id, model, what;  // what: "POST /v1/chat/completions"
+    std::int64_t created = 0;
+    bool chat = true, quiet = false;
+    std::chrono::steady_clock::time_point t0;
+    void log_done(const char* how, const Event& d) const {
         if (quiet) return;
-        std::fprintf(stderr, "%s %s: %zu prompt tokens (%zu reused), %zu generated, %.3f s\n", what.c_str(), how, d.prompt_tokens,
-                     d.reused, d.completion_tokens, seconds_since(t0));
-    };
-
-    if (!q.stream) {
-        const int fd = request_socket(req);
-        std::string content, reasoning;
-        std::vector<ToolCallOut> tool_calls;
-        std::vector<std::int64_t> ids;
-        nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-        Event e;
-        // Every 50 ms, whether tokens arrive or not, look whether the client is still there: when tokens come
-        // faster than that, a check made only on a quiet queue would never run.
-        auto checked = std::chrono::steady_clock::now();
-        for (;;) {
-            const bool got = job->pop(e, std::chrono::milliseconds(50));
-            if (std::chrono::steady_clock::now() - checked >= std::chrono::milliseconds(50)) {
-                checked = std::chrono::steady_clock::now();
-                if (!socket_alive(fd)) job->cancelled = true;  // the client left: stop generating for it
-            }
-            if (!got) continue;
-            if (e.kind == Event::token) {
-                content += e.content, reasoning += e.reasoning, ids.push_back(e.id);
-                tool_calls.insert(tool_calls.end(), e.calls.begin(), e.calls.end());
-                if (q.trace) steps.push_back({{"token", e.id}, {"piece", e.piece}, {"step", std::move(e.step)}});
-            }
-            if (e.kind == Event::done || e.kind == Event::error) break;
-        }
-        if (e.kind == Event::error) {
-            if (!quiet) std::fprintf(stderr, "%s %d %s\n", what.c_str(), e.failure.status, e.failure.message.c_str());
-            return send_error(res, e.failure);
-        }
-        nlohmann::ordered_json choice;
-        choice["index"] = 0;
-        if (chat) {
-            nlohmann::ordered_json msg = {{"role", "assistant"}, {"content", content}};
-            if (q.thinking) msg["reasoning_content"] = reasoning;
-            if (!tool_calls.empty()) msg["tool_calls"] = tool_calls_json(tool_calls, 0, false);
-            if (!tool_calls.empty() && content.empty()) msg["content"] = nullptr;
-            choice["message"] = msg;
-        } else {
-            choice["text"] = content;
-        }
-        choice["logprobs"] = nullptr;
-        choice["finish_reason"] = e.finish_reason;
-        nlohmann::ordered_json out = {{"id", id},
-                                      {"object", chat ? "chat.completion" : "text_completion"},
-                                      {"created", created},
-                                      {"model", model},
-                                      {"choices", nlohmann::ordered_json::array({choice})},
-                                      {"usage", usage_json(e)}};
-        if (q.extension) {
-            out["kimik3"] = timings_json(e);
-            out["kimik3"]["prompt_ids"] = q.prompt;
-            out["kimik3"]["ids"] = ids;
-            if (q.trace) out["kimik3"]["tokens"] = std::move(steps);
-        }
-        log_done("200", e);
-        res.set_content(dump(out) + "\n", "application/json");
-        return;
+        std::fprintf(stderr, "%s %s: %zu prompt tokens (%zu reused), %zu generated, %.3f s\n", what.c_str(), how, d.prompt_tokens, d.reused,
+                     d.completion_tokens, seconds_since(t0));
     }
+    void log_error(const ApiError& e) const {
+        if (!quiet) std::fprintf(stderr, "%s %d %s\n", what.c_str(), e.status, clip(e.message, 300).c_str());
+    }
+};
 
-    // streaming: server-sent events, one chunk per token
+// A reply the server cut short or cancelled, said as such: shutdown (SIGINT/SIGTERM) is a 503
+// "server_shutdown", never a normal finish; a client that left is "client_closed".
+inline std::optional<ApiError> cut_short(const Job& job, const Event& e) {
+    const bool cut = e.kind == Event::error ? e.failure.code == "cancelled"
+                                            : e.kind == Event::done && e.finish_reason != "stop" && e.completion_tokens < job.req.max_tokens;
+    if (!cut) return std::nullopt;
+    if (job.shutdown)
+        return ApiError{503, "the server is shutting down: the reply was stopped after " + std::to_string(e.completion_tokens) + " of at most " +
+                                 std::to_string(job.req.max_tokens) + " tokens", "", "server_shutdown", "server_error"};
+    if (job.client_left) return ApiError{499, "the client closed its connection: the request was cancelled", "", "client_closed"};
+    return std::nullopt;
+}
+
+// Not streamed: wait for the whole reply, asking the request's own connection every 50 ms whether its
+// client is still there (whether tokens arrive or not: when they come faster than that, a check made
+// only on a quiet queue would never run).
+inline void reply_whole(const std::shared_ptr<Job>& job, const ReplyInfo& info, httplib::Response& res) {
+    const GenRequest& q = job->req;
+    Connection* conn = Connection::current();
+    std::string content, reasoning;
+    std::vector<ToolCallOut> tool_calls;
+    std::vector<std::int64_t> ids;
+    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+    Event e;
+    auto checked = std::chrono::steady_clock::now();
+    for (;;) {
+        const bool got = job->pop(e, std::chrono::milliseconds(50));
+        if (std::chrono::steady_clock::now() - checked >= std::chrono::milliseconds(50)) {
+            checked = std::chrono::steady_clock::now();
+            if (conn && !job->client_left && conn->peer_gone()) job->client_left = true, job->cancelled = true;  // stop generating for it
+        }
+        if (!got) continue;
+        if (e.kind == Event::token) {
+            content += e.content, reasoning += e.reasoning, ids.push_back(e.id);
+            tool_calls.insert(tool_calls.end(), e.calls.begin(), e.calls.end());
+            if (q.trace) steps.push_back({{"token", e.id}, {"piece", e.piece}, {"step", std::move(e.step)}});
+        }
+        if (e.kind == Event::done || e.kind == Event::error) break;
+    }
+    if (const std::optional<ApiError> cut = cut_short(*job, e)) return info.log_error(*cut), send_error(res, *cut);
+    if (e.kind == Event::error) return info.log_error(e.failure), send_error(res, e.failure);
+    nlohmann::ordered_json choice;
+    choice["index"] = 0;
+    if (info.chat) {
+        nlohmann::ordered_json msg = {{"role", "assistant"}, {"content", content}};
+        if (q.thinking) msg["reasoning_content"] = reasoning;
+        if (!tool_calls.empty()) msg["tool_calls"] = tool_calls_json(tool_calls, 0, false);
+        if (!tool_calls.empty() && content.empty()) msg["content"] = nullptr;
+        choice["message"] = msg;
+    } else {
+        choice["text"] = content;
+    }
+    choice["logprobs"] = nullptr;
+    choice["finish_reason"] = e.finish_reason;
+    nlohmann::ordered_json out = {{"id", info.id},
+                                  {"object", info.chat ? "chat.completion" : "text_completion"},
+                                  {"created", info.created},
+                                  {"model", info.model},
+                                  {"choices", nlohmann::ordered_json::array({choice})},
+                                  {"usage", usage_json(e)}};
+    if (q.extension) {
+        out["kimik3"] = timings_json(e);
+        out["kimik3"]["prompt_ids"] = q.prompt;
+        out["kimik3"]["ids"] = ids;
+        if (q.trace) out["kimik3"]["tokens"] = std::move(steps);
+    }
+    info.log_done("200", e);
+    res.set_content(dump(out) + "\n", "application/json");
+}
+
+// Streamed: server-sent events, one chunk per token. The library asks the provider for more while its
+// sink (our Connection) is writable; a client that left ends the stream and cancels the job.
+inline void reply_stream(const std::shared_ptr<Job>& job, const ReplyInfo& info, httplib::Response& res) {
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");
     struct StreamState {
-        bool role_sent = false, finished = false;
+        bool role_sent = false;
         std::size_t calls = 0;  // tool calls streamed so far: the next one's index
     };
     auto st = std::make_shared<StreamState>();
     res.set_chunked_content_provider(
         "text/event-stream",
-        [job, st, id, created, model, chat, q, log_done](std::size_t, httplib::DataSink& sink) {
+        [job, info, st](std::size_t, httplib::DataSink& sink) {
+            const GenRequest& q = job->req;
+            const bool chat = info.chat;
             auto send = [&](const nlohmann::ordered_json& j) {
                 const std::string s = "data: " + dump(j) + "\n\n";
                 return sink.write(s.data(), s.size());
@@ -629,20 +737,21 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
                 if (chat) c["delta"] = std::move(delta_or_text);
                 else c["text"] = std::move(delta_or_text), c["logprobs"] = nullptr;
                 c["finish_reason"] = finish;
-                return nlohmann::ordered_json{{"id", id},
+                return nlohmann::ordered_json{{"id", info.id},
                                               {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                                              {"created", created},
-                                              {"model", model},
+                                              {"created", info.created},
+                                              {"model", info.model},
                                               {"choices", nlohmann::ordered_json::array({c})}};
             };
             Event e;
             while (!job->pop(e, std::chrono::milliseconds(50)))
-                if (!sink.is_writable()) return job->cancelled = true, false;  // the client left
+                if (!sink.is_writable()) return job->client_left = true, job->cancelled = true, false;  // the client left
             bool ok = true;
             if (chat && !st->role_sent && e.kind != Event::error) {
                 st->role_sent = true;
                 ok = send(chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
             }
+            const std::optional<ApiError> cut = cut_short(*job, e);
             if (ok && e.kind == Event::token) {
                 nlohmann::ordered_json delta = nlohmann::ordered_json::object();
                 if (!e.content.empty()) delta["content"] = e.content;
@@ -654,6 +763,11 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
                     if (q.trace) c["kimik3"]["step"] = std::move(e.step);
                 }
                 ok = send(c);
+            } else if (ok && (e.kind == Event::error || cut)) {
+                const ApiError& f = cut ? *cut : e.failure;
+                ok = send(error_json(f));  // an error event ends the stream (no [DONE])
+                info.log_error(f);
+                if (ok) sink.done();
             } else if (ok && e.kind == Event::done) {
                 nlohmann::ordered_json c = chunk(chat ? nlohmann::ordered_json::object() : nlohmann::ordered_json(""), e.finish_reason);
                 if (q.extension) c["kimik3"] = timings_json(e);
@@ -665,16 +779,34 @@ inline void handle_generate(ServeContext& cx, const httplib::Request& req, httpl
                     ok = send(u);
                 }
                 if (ok) ok = sink.write("data: [DONE]\n\n", 14);
-                if (ok) sink.done(), st->finished = true, log_done("200 stream", e);
-            } else if (ok && e.kind == Event::error) {
-                ok = send(error_json(e.failure));  // an error event ends the stream (no [DONE])
-                std::fprintf(stderr, "stream ended by an error: %s\n", e.failure.message.c_str());
-                if (ok) sink.done(), st->finished = true;
+                if (ok) sink.done(), info.log_done("200 stream", e);
             }
-            if (!ok) job->cancelled = true;
+            if (!ok) job->client_left = true, job->cancelled = true;
             return ok;
         },
         [job](bool) { job->cancelled = true; });  // whatever ended the response, the job has no reader left
+}
+
+// POST /v1/chat/completions, /v1/completions: read and check the body, queue the job, reply.
+inline void handle_generate(ServeContext& cx, const HttpLimits& lim, const httplib::Request& req, httplib::Response& res,
+                            const httplib::ContentReader& reader, bool chat) {
+    ReplyInfo info{random_id(chat ? "chatcmpl" : "cmpl"), cx.limits.model_name, req.method + " " + req.path, std::int64_t(std::time(nullptr)),
+                   chat, cx.quiet, std::chrono::steady_clock::now()};
+    auto job = std::make_shared<Job>();
+    try {
+        job->req = parse_request(read_body(reader, lim), chat, cx.tok, cx.limits);
+    } catch (const ApiError& e) {
+        if (Connection* c = Connection::current(); c && c->close_after) res.set_header("Connection", "close");
+        return info.log_error(e), send_error(res, e);
+    }
+    if (!cx.engine.submit(job)) {
+        res.set_header("Retry-After", std::to_string(cx.engine.retry_after_seconds()));
+        if (!cx.quiet) std::fprintf(stderr, "%s 503 (queue full)\n", info.what.c_str());
+        return send_error(res, ApiError{503, "the server is busy: one generation runs and the queue is full; retry later", "", "server_overloaded",
+                                        "server_error"});
+    }
+    if (job->req.stream) reply_stream(job, info, res);
+    else reply_whole(job, info, res);
 }
 
 inline nlohmann::ordered_json model_json(const ServeContext& cx) {
@@ -699,74 +831,105 @@ inline nlohmann::ordered_json info_json(ServeContext& cx) {
             {"prompt_mark", cx.engine.mark_enabled()}};
 }
 
-inline int g_stop_pipe[2] = {-1, -1};
-
 inline bool local_host(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0; }
+
+// ---------------------------------------------------------------------------------------------------
+// kimik3 serve: parse, build, listen
+// ---------------------------------------------------------------------------------------------------
+struct ServeOptions {
+    std::string dir, host = "127.0.0.1", name, allow_hosts;
+    int port = 8080;
+    std::size_t context = 4096, queue = 4, speculate = 0;
+    HttpLimits http;
+    ModelArgs model;
+    std::string key;
+    bool key_on_command_line = false, quiet = false;
+};
+
+// The API key: from --api-key KEY, --api-key-file PATH (its first line) or KIMIK3_API_KEY, at most one of
+// them; an empty key is refused, never taken as "no key".
+inline std::string api_key(Options& o, bool& on_command_line) {
+    const std::optional<std::string> arg = o.text("--api-key"), file = o.text("--api-key-file");
+    const char* env = std::getenv("KIMIK3_API_KEY");
+    if (int(bool(arg)) + int(bool(file)) + int(env != nullptr) > 1) o.refuse("give the API key one way: --api-key, --api-key-file or KIMIK3_API_KEY");
+    std::string key;
+    if (arg) key = *arg, on_command_line = true;
+    else if (file) {
+        key = read_file_capped(*file, 4096, "API key file");
+        key = key.substr(0, key.find('\n'));
+        if (!key.empty() && key.back() == '\r') key.pop_back();
+        if (key.empty()) o.refuse("--api-key-file: '" + *file + "' starts with an empty line: no key");
+    } else if (env) {
+        key = env;
+        if (key.empty()) o.refuse("KIMIK3_API_KEY is set but empty: unset it to serve without a key, or give a key");
+    }
+    for (char c : key)
+        if (c <= ' ' || c == 127) o.refuse("the API key must be printable characters without spaces");
+    return key;
+}
+
+inline ServeOptions parse_serve(std::vector<std::string> args) {
+    Options o(std::move(args), kServeUsage);
+    ServeOptions s;
+    s.host = o.text("--host").value_or(s.host);
+    s.port = int(o.count("--port", 0, 65535).value_or(8080));
+    s.name = o.text("--model-name").value_or("");
+    s.allow_hosts = o.text("--allow-host").value_or("");
+    s.queue = std::size_t(o.count("--queue", 0, 256).value_or(4));
+    if (const auto b = o.text("--max-body")) s.http.max_body = std::size_t(std::min<std::uint64_t>(parse_size(*b), 1ull << 32));
+    if (s.http.max_body < 64) o.refuse("--max-body must be at least 64 bytes");
+    if (const auto t = o.count("--header-time", 1, 3600)) s.http.head_time = std::chrono::seconds(*t);
+    if (const auto t = o.count("--body-time", 1, 3600)) s.http.body_time = std::chrono::seconds(*t);
+    s.key = api_key(o, s.key_on_command_line);
+    s.speculate = speculate_arg(o);
+    s.model = model_args(o);
+    s.context = std::size_t(s.model.context.value_or(4096));
+    if (s.context < 2) o.refuse("--context must be at least 2");
+    s.quiet = o.flag("--quiet");
+    s.dir = o.positional(1, "MODEL_DIR")[0];
+    if (s.name.empty()) {
+        std::string d = s.dir;
+        while (d.size() > 1 && d.back() == '/') d.pop_back();
+        s.name = d.substr(d.find_last_of('/') == std::string::npos ? 0 : d.find_last_of('/') + 1);
+    }
+    return s;
+}
+
+inline int g_stop_pipe[2] = {-1, -1};
 
 inline int cmd_serve(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kServeUsage, stdout), kExitOk;
-    const std::string host_arg = take_option(args, "--host", kServeUsage), port_arg = take_option(args, "--port", kServeUsage),
-                      budget = take_option(args, "--budget", kServeUsage), preset = take_option(args, "--preset", kServeUsage),
-                      context_arg = take_option(args, "--context", kServeUsage), threads_arg = take_option(args, "--threads", kServeUsage),
-                      key = take_option(args, "--api-key", kServeUsage), name_arg = take_option(args, "--model-name", kServeUsage),
-                      queue_arg = take_option(args, "--queue", kServeUsage), body_arg = take_option(args, "--max-body", kServeUsage),
-                      trunk = take_option(args, "--trunk", kServeUsage), speculate_arg = take_option(args, "--speculate", kServeUsage);
-    const bool no_direct = take_flag(args, "--no-direct"), quiet = take_flag(args, "--quiet");
-    for (const std::string& a : args)
-        if (a.rfind("-", 0) == 0) throw Usage("unknown option '" + a + "'\n\n" + kServeUsage);
-    if (args.size() != 1) throw Usage(std::string(args.empty() ? "serve needs MODEL_DIR" : "serve takes one MODEL_DIR") + "\n\n" + kServeUsage);
-    const std::string dir = args[0], host = host_arg.empty() ? "127.0.0.1" : host_arg;
-    const int port = port_arg.empty() ? 8080 : int(parse_count(port_arg, "--port", kServeUsage, 65535));
-    const std::size_t context = context_arg.empty() ? 4096 : std::size_t(parse_count(context_arg, "--context", kServeUsage, kMaxPositions));
-    if (context < 2) throw Usage(std::string("--context must be at least 2\n\n") + kServeUsage);
-    const std::size_t queue = queue_arg.empty() ? 4 : std::size_t(parse_count(queue_arg, "--queue", kServeUsage, 256));
-    const std::uint64_t max_body = body_arg.empty() ? 4u << 20 : parse_size(body_arg);
-    if (max_body < 64) throw Usage(std::string("--max-body must be at least 64 bytes\n\n") + kServeUsage);
-    const int threads = threads_arg.empty() ? 0 : int(parse_count(threads_arg, "--threads", kServeUsage, 4096));
-    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kServeUsage, 32));
-    if (!speculate_arg.empty() && speculate == 0)
-        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kServeUsage);
-    if (!key.empty() && key.find_first_of(" \t\r\n") != std::string::npos) throw Usage(std::string("--api-key must not contain spaces\n\n") + kServeUsage);
-    std::string name = name_arg;
-    if (name.empty()) {
-        std::string d = dir;
-        while (d.size() > 1 && d.back() == '/') d.pop_back();
-        name = d.substr(d.find_last_of('/') == std::string::npos ? 0 : d.find_last_of('/') + 1);
-    }
+    const ServeOptions so = parse_serve(std::move(args));
     ModelOptions mo;
-    mo.budget = budget_bytes(budget, preset, kServeUsage);
+    mo.budget = so.model.budget;
     mo.on_plan = show_and_check_plan;
-    mo.plan.context = context;
-    mo.trunk_dir = trunk;
-    mo.direct = !no_direct;
-    if (threads > 0) set_threads(threads);
+    mo.plan.context = so.context;
+    mo.trunk_dir = so.model.trunk;
+    mo.direct = so.model.direct;
+    if (so.model.threads > 0) set_threads(so.model.threads);
     ::signal(SIGPIPE, SIG_IGN);  // a client that left is a failed write, not the end of the server
 
-    const Tokenizer tok = Tokenizer::load(dir);
-    Model model(dir, mo);
+    const Tokenizer tok = Tokenizer::load(so.dir);
+    Model model(so.dir, mo);
     if (const char* f = std::getenv("KIMIK3_TEST_FAIL_SERVE_READS"); f && *f) {
         long n = -1, m = 0;
         if (std::sscanf(f, "%ld:%ld", &n, &m) != 2 || n < 0 || m < 1) throw Usage("KIMIK3_TEST_FAIL_SERVE_READS must be N:M\n");
         g_serve_fail_from = n, g_serve_fail_count = m, detail::pread_hook = serve_failing_pread;
     }
-    Engine engine(model, tok, context, queue, threads, speculate);
-    ServeContext cx{tok, model, engine, ServeLimits{name, context, std::size_t(model.config.vocab_size)}, quiet, std::int64_t(std::time(nullptr))};
+    Engine engine(model, tok, so.context, so.queue, so.model.threads, so.speculate);
+    ServeContext cx{tok, model, engine, ServeLimits{so.name, so.context, std::size_t(model.config.vocab_size)}, so.quiet, std::int64_t(std::time(nullptr))};
 
-    httplib::Server svr;
-    // Connections are served by a pool: the running request, the queue, and room for the page, /health
-    // and the 503 answers. A connection beyond that waits for a free thread.
-    const std::size_t pool = queue + 8;
-    svr.new_task_queue = [pool] { return new httplib::ThreadPool(pool); };
-    svr.set_payload_max_length(std::size_t(max_body));
-    svr.set_keep_alive_timeout(2);
-    svr.set_read_timeout(30);
+    GuardedServer svr(so.http);
+    const HttpLimits& lim = svr.limits();
+    Access access;  // filled once the port is known
     svr.set_write_timeout(30);
     svr.set_error_handler(httplib::Server::HandlerWithResponse([&](const httplib::Request& req, httplib::Response& res) {
-        if (!res.body.empty() || res.content_provider_) return httplib::Server::HandlerResponse::Unhandled;  // ours already
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;  // ours already
         ApiError e{res.status, "", "", "", res.status >= 500 ? "server_error" : "invalid_request_error"};
-        if (res.status == 404) e.message = "no such endpoint: " + req.method + " " + req.path, e.code = "not_found";
-        else if (res.status == 413) e.message = "the request body is larger than this server's limit of " + std::to_string(max_body) + " bytes (--max-body)", e.code = "request_too_large";
+        if (res.status == 404) e.message = "no such endpoint: " + clip(req.method, 20) + " " + clip(req.path, 100), e.code = "not_found";
+        else if (res.status == 413) e.message = "the request body is larger than this server's limit of " + std::to_string(lim.max_body) + " bytes (--max-body)", e.code = "request_too_large";
         else if (res.status == 405) e.message = "method not allowed", e.code = "method_not_allowed";
+        else if (res.status == 414) e.message = "the request line is too long", e.code = "uri_too_long";
         else e.message = "bad request", e.code = "bad_request";
         send_error(res, e);
         return httplib::Server::HandlerResponse::Handled;
@@ -776,28 +939,24 @@ inline int cmd_serve(std::vector<std::string> args) {
         try {
             std::rethrow_exception(ep);
         } catch (const std::exception& e) {
-            what = e.what();
+            what = clip(e.what());
         } catch (...) {
         }
         send_error(res, ApiError{500, what, "", "internal_error", "server_error"});
     });
-    svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
-        const bool api = req.path.rfind("/v1/", 0) == 0 || req.path.rfind("/kimik3/", 0) == 0;
-        if (api && !key.empty() && !bearer_ok(req, key)) {
-            res.set_header("WWW-Authenticate", "Bearer");
-            send_error(res, ApiError{401, "a valid API key is required: send 'Authorization: Bearer KEY'", "", "invalid_api_key"});
-            return httplib::Server::HandlerResponse::Handled;
-        }
-        return httplib::Server::HandlerResponse::Unhandled;
+    svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) { return admit(req, res, access, lim); });
+    svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& r) {
+        handle_generate(cx, lim, req, res, r, true);
     });
-    svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_generate(cx, req, res, true); });
-    svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_generate(cx, req, res, false); });
+    svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& r) {
+        handle_generate(cx, lim, req, res, r, false);
+    });
     svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
         res.set_content(dump({{"object", "list"}, {"data", nlohmann::ordered_json::array({model_json(cx)})}}) + "\n", "application/json");
     });
     svr.Get("/v1/models/(.+)", [&](const httplib::Request& req, httplib::Response& res) {
         if (req.matches[1] != cx.limits.model_name)
-            return send_error(res, ApiError{404, "the model '" + std::string(req.matches[1]) + "' does not exist", "model", "model_not_found"});
+            return send_error(res, ApiError{404, "the model '" + clip(req.matches[1], 100) + "' does not exist", "model", "model_not_found"});
         res.set_content(dump(model_json(cx)) + "\n", "application/json");
     });
     svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
@@ -813,11 +972,17 @@ inline int cmd_serve(std::vector<std::string> args) {
     svr.Get("/", serve_page);
     svr.Get("/index.html", serve_page);
 
-    const int bound = port == 0 ? svr.bind_to_any_port(host) : (svr.bind_to_port(host, port) ? port : -1);
-    if (bound < 0) fail(ErrorKind::runtime, "cannot listen on " + host + ":" + std::to_string(port) + " (in use, or not an address of this machine)");
+    const std::string& host = so.host;
+    const int bound = so.port == 0 ? svr.bind_to_any_port(host) : (svr.bind_to_port(host, so.port) ? so.port : -1);
+    if (bound < 0) fail(ErrorKind::runtime, "cannot listen on " + host + ":" + std::to_string(so.port) + " (in use, or not an address of this machine)");
+    access = Access::bound_to(host, bound, so.allow_hosts);
+    access.key = so.key;
+    if (so.key_on_command_line)
+        std::fprintf(stderr, "kimik3 serve: note: a key given with --api-key is visible to every user of this machine in the process list; "
+                             "--api-key-file FILE or KIMIK3_API_KEY keep it private\n");
     if (!local_host(host))
         std::fprintf(stderr, "kimik3 serve: WARNING: listening on %s: anyone who can reach this machine can use the model%s\n", host.c_str(),
-                     key.empty() ? " (no authentication: give --api-key KEY)" : " (with the API key)");
+                     so.key.empty() ? " (no authentication: give --api-key-file FILE)" : " (with the API key; the traffic is not encrypted)");
     std::fprintf(stderr, "kimik3 serve: state reuse: %s\n",
                  engine.mark_enabled() ? ("the live conversation, and the KDA states at the end of the last prompt (" +
                                           human_bytes(double(engine.mark_bytes())) + ")").c_str()
@@ -825,12 +990,13 @@ inline int cmd_serve(std::vector<std::string> args) {
                                           human_bytes(double(engine.mark_bytes())) + ")").c_str());
     const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
     std::fprintf(stderr, "kimik3 serve: listening on http://%s:%d (model '%s', context %zu, queue %zu); Ctrl-C stops\n", shown.c_str(), bound,
-                 name.c_str(), context, queue);
+                 so.name.c_str(), so.context, so.queue);
     std::fflush(stderr);
 
     // SIGINT/SIGTERM (from now on; while loading they end the program as usual): the handler writes a
     // byte to a pipe, and a thread that waits on it stops the engine (the running generation ends after
-    // its current token, queued ones are cancelled), then the listener.
+    // its current token and is answered as cut by the shutdown, queued ones are cancelled), then the
+    // listener.
     if (::pipe(g_stop_pipe) != 0) fail(ErrorKind::runtime, std::string("pipe: ") + std::strerror(errno));
     struct sigaction sa {};
     sa.sa_handler = [](int) { [[maybe_unused]] const ssize_t n = ::write(g_stop_pipe[1], "x", 1); };

@@ -37,6 +37,36 @@ inline std::string dump(const nlohmann::ordered_json& j) { return j.dump(-1, ' '
     throw ApiError{status, message, param, code};
 }
 
+// A client's text inside our messages and log lines: at most `n` bytes (a 4 MB body is not echoed).
+inline std::string clip(const std::string& s, std::size_t n = 200) {
+    return s.size() <= n ? s : s.substr(0, n) + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
+// How deep a JSON text nests arrays and objects, found without parsing it (strings and their escapes
+// skipped), stopping as soon as it passes `limit`. The parser, the copies and the dumps of a document are
+// recursive: a request nested 100,000 levels deep would overflow the stack in any of them, so the
+// nesting is bounded before anything recursive sees the text.
+inline std::size_t json_nesting(std::string_view text, std::size_t limit) {
+    std::size_t depth = 0, deepest = 0;
+    bool in_string = false;
+    for (std::size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_string) {
+            if (c == '\\') ++i;
+            else if (c == '"') in_string = false;
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == '{') {
+            deepest = std::max(deepest, ++depth);
+            if (deepest > limit) return deepest;
+        } else if ((c == ']' || c == '}') && depth > 0) {
+            --depth;
+        }
+    }
+    return deepest;
+}
+inline constexpr std::size_t kMaxJsonNesting = 32;  // an OpenAI request nests 6 levels at most (tools' schemas: a few more)
+
 // ---------------------------------------------------------------------------------------------------
 // One request, checked
 // ---------------------------------------------------------------------------------------------------
@@ -91,6 +121,13 @@ inline std::optional<std::int64_t> get_integer(const nlohmann::json& body, const
     if (v->is_number_unsigned() && v->get<std::uint64_t>() > std::uint64_t(INT64_MAX)) return INT64_MAX;
     return v->get<std::int64_t>();
 }
+inline std::optional<std::string> get_string(const nlohmann::json& body, const char* name, const std::string& at = "") {
+    const nlohmann::json* v = field(body, name);
+    if (!v) return std::nullopt;
+    const std::string p = at.empty() ? name : at + "." + name;
+    if (!v->is_string()) refuse(p, "'" + p + "' must be a string, not " + type_name(*v), "invalid_type");
+    return v->get<std::string>();
+}
 inline std::string text_of(const nlohmann::json& content, const std::string& param) {  // a string, or [{type: text, text}]
     if (content.is_string()) return content.get<std::string>();
     if (!content.is_array()) refuse(param, "'" + param + "' must be a string or an array of text parts, not " + type_name(content), "invalid_type");
@@ -98,7 +135,7 @@ inline std::string text_of(const nlohmann::json& content, const std::string& par
     for (std::size_t i = 0; i < content.size(); ++i) {
         const nlohmann::json& part = content[i];
         const std::string at = param + "[" + std::to_string(i) + "]";
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        if (!part.is_object() || get_string(part, "type", at).value_or("") != "text" || !get_string(part, "text", at))
             refuse(at, "'" + at + "' must be {\"type\": \"text\", \"text\": \"...\"} (only text is supported)", "invalid_type");
         out += part["text"].get<std::string>();
     }
@@ -130,19 +167,38 @@ inline void refuse_unsupported(const nlohmann::json& body) {
 // included at the end of this file. Renders the prompt; sets r.thinking, r.tool_choice, r.prompt_tokens.
 inline std::vector<std::uint32_t> chat_prompt(const std::string& text, const nlohmann::json& body, const Tokenizer& tok, GenRequest& r);
 
-// Parses and checks a request body; renders the prompt. Throws ApiError.
-inline GenRequest parse_request(const std::string& text, bool chat, const Tokenizer& tok, const ServeLimits& lim) {
+// The body as JSON, nested at most kMaxJsonNesting deep. Throws ApiError.
+inline nlohmann::json parse_body(const std::string& text) {
+    if (const std::size_t d = json_nesting(text, kMaxJsonNesting); d > kMaxJsonNesting)
+        refuse("", "the request body nests arrays and objects more than " + std::to_string(kMaxJsonNesting) + " levels deep", "invalid_json");
     nlohmann::json body;
     try {
         body = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
-        refuse("", std::string("the request body is not valid JSON: ") + e.what(), "invalid_json");
+        refuse("", "the request body is not valid JSON: " + clip(e.what()), "invalid_json");
     }
     if (!body.is_object()) refuse("", "the request body must be a JSON object, not " + type_name(body), "invalid_type");
+    return body;
+}
+
+inline GenRequest parse_fields(const std::string& text, const nlohmann::json& body, bool chat, const Tokenizer& tok, const ServeLimits& lim);
+
+// Parses and checks a request body; renders the prompt. Throws ApiError (every type error is a 400 that
+// names its field; one the checks below missed is still a 400, never the library's exception as a 500).
+inline GenRequest parse_request(const std::string& text, bool chat, const Tokenizer& tok, const ServeLimits& lim) {
+    const nlohmann::json body = parse_body(text);
+    try {
+        return parse_fields(text, body, chat, tok, lim);
+    } catch (const nlohmann::json::exception& e) {
+        refuse("", "a field of the request has the wrong type: " + clip(e.what()), "invalid_type");
+    }
+}
+
+inline GenRequest parse_fields(const std::string& text, const nlohmann::json& body, bool chat, const Tokenizer& tok, const ServeLimits& lim) {
     if (const nlohmann::json* m = field(body, "model")) {
         if (!m->is_string()) refuse("model", "'model' must be a string, not " + type_name(*m), "invalid_type");
         if (m->get<std::string>() != lim.model_name)
-            refuse("model", "the model '" + m->get<std::string>() + "' does not exist: this server has '" + lim.model_name + "'",
+            refuse("model", "the model '" + clip(m->get<std::string>(), 100) + "' does not exist: this server has '" + lim.model_name + "'",
                    "model_not_found", 404);
     }
     refuse_unsupported(body);
@@ -165,15 +221,20 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
     if (top_k < 0 || top_k > (1 << 30)) refuse("top_k", "'top_k' must be from 0 (no limit) to 2^30", "invalid_value");
     r.sampling.top_k = int(top_k);
     r.ignore_eos = get_bool(body, "ignore_eos", false);
-    if (const auto s = get_integer(body, "seed")) r.seed = std::uint64_t(*s);
-    else r.seed = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+    if (const nlohmann::json* s = field(body, "seed")) {  // any 64-bit integer; negative ones wrap (as in C)
+        if (!s->is_number_integer()) refuse("seed", "'seed' must be an integer, not " + type_name(*s), "invalid_type");
+        r.seed = s->is_number_unsigned() ? s->get<std::uint64_t>() : std::uint64_t(s->get<std::int64_t>());
+    } else r.seed = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
     if (const nlohmann::json* st = field(body, "stop")) {
-        std::vector<nlohmann::json> items = st->is_array() ? std::vector<nlohmann::json>(st->begin(), st->end()) : std::vector<nlohmann::json>{*st};
+        std::vector<const nlohmann::json*> items;  // pointers: a client's value is never copied
+        if (st->is_array())
+            for (const nlohmann::json& s : *st) items.push_back(&s);
+        else items.push_back(st);
         if (items.size() > 4) refuse("stop", "'stop' holds at most 4 sequences", "invalid_value");
-        for (const nlohmann::json& s : items) {
-            if (!s.is_string()) refuse("stop", "'stop' must be a string or an array of strings", "invalid_type");
-            if (s.get<std::string>().empty()) refuse("stop", "a stop sequence must not be empty", "invalid_value");
-            r.stop.push_back(s.get<std::string>());
+        for (const nlohmann::json* s : items) {
+            if (!s->is_string()) refuse("stop", "'stop' must be a string or an array of strings, not " + type_name(*s), "invalid_type");
+            if (s->get<std::string>().empty()) refuse("stop", "a stop sequence must not be empty", "invalid_value");
+            r.stop.push_back(s->get<std::string>());
         }
     }
     // the prompt
@@ -194,11 +255,11 @@ inline GenRequest parse_request(const std::string& text, bool chat, const Tokeni
         if (p->is_string()) ids = tok.encode(p->get<std::string>());
         else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) ids = tok.encode((*p)[0].get<std::string>());
         else if (p->is_array() && !p->empty() && std::all_of(p->begin(), p->end(), [](const nlohmann::json& x) { return x.is_number_integer(); })) {
-            for (const nlohmann::json& x : *p) {
-                const std::int64_t id = x.get<std::int64_t>();
-                if (id < 0 || std::uint64_t(id) >= lim.vocab)
-                    refuse("prompt", "token id " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(lim.vocab) + ")", "invalid_value");
-                ids.push_back(std::uint32_t(id));
+            for (const nlohmann::json& x : *p) {  // 2^64 - 1 is 18446744073709551615, not -1
+                const std::string id = x.is_number_unsigned() ? std::to_string(x.get<std::uint64_t>()) : std::to_string(x.get<std::int64_t>());
+                if (!x.is_number_unsigned() || x.get<std::uint64_t>() >= lim.vocab)
+                    refuse("prompt", "token id " + id + " is outside the vocabulary (" + std::to_string(lim.vocab) + ")", "invalid_value");
+                ids.push_back(std::uint32_t(x.get<std::uint64_t>()));
             }
         } else refuse("prompt", "'prompt' must be a string, an array of one string, or an array of token ids", "invalid_type");
     }

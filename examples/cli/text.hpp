@@ -1,9 +1,14 @@
 // kimik3 tokenize / detokenize / chat: the text side of the program.
 #pragma once
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <iostream>
 
 #include "common.hpp"
+#include "options.hpp"
 #include "run.hpp"
 
 namespace kimik3::cli {
@@ -33,7 +38,10 @@ inline const char* kChatUsage =
     "are computed. With --think the conversation opens with the template's thinking-effort message\n"
     "(--think-effort low, high, max: the default, or none).\n"
     "Commands: /reset (start over), /save FILE, /load FILE (a session file: token history and every layer's\n"
-    "state; refused if made for another model), /quit (or end of input).\n"
+    "state, with a checksum; refused if damaged or made for another model), /quit (or end of input).\n"
+    "Ctrl-C stops the reply being written and returns to the prompt (the conversation is kept); Ctrl-C at\n"
+    "the prompt ends the program.\n"
+    "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --context N    positions the conversation may reach (default 4096)\n"
     "  --seed S       the token at position p of the conversation is sampled with output p of the seed's stream,\n"
     "                 so a conversation resumed with /load draws what it would have drawn\n"
@@ -81,35 +89,54 @@ inline int cmd_detokenize(std::vector<std::string> args) {
     return kExitOk;
 }
 
+// Ctrl-C in a chat: while a reply is drawn, it stops the reply (the conversation keeps what was said,
+// the cut reply closed as any reply cut short); at the prompt, or a second time before the reply stops,
+// it ends the program (exit 130). End of input (Ctrl-D) ends it too (exit 0).
+inline std::atomic<int> g_chat_interrupts{0};
+inline std::atomic<bool> g_chat_at_prompt{false};
+inline void chat_interrupt(int) {
+    if (g_chat_at_prompt.load() || g_chat_interrupts.fetch_add(1) > 0) {
+        [[maybe_unused]] const ssize_t n = ::write(2, "\n", 1);
+        ::_exit(130);
+    }
+}
+
+struct ChatOptionsCli {
+    std::string dir, system;
+    ModelArgs model;
+    SamplingParams sampling;
+    ThinkArgs think;
+    std::size_t max_new = 256, speculate = 0;
+};
+inline ChatOptionsCli parse_chat_args(std::vector<std::string> args) {
+    Options o(std::move(args), kChatUsage);
+    ChatOptionsCli c;
+    c.system = o.text("--system").value_or("");
+    c.max_new = std::size_t(o.count("--max-new", 1, std::uint64_t(kMaxPositions)).value_or(256));
+    c.sampling = sampling_args(o);
+    c.speculate = speculate_arg(o);
+    c.model = model_args(o);
+    c.think = think_args(o);
+    c.dir = o.positional(1, "MODEL_DIR")[0];
+    return c;
+}
+
 inline int cmd_chat(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kChatUsage, stdout), kExitOk;
-    const std::string budget = take_option(args, "--budget", kChatUsage), preset = take_option(args, "--preset", kChatUsage),
-                      context = take_option(args, "--context", kChatUsage), max_new = take_option(args, "--max-new", kChatUsage),
-                      temp = take_option(args, "--temperature", kChatUsage), topk = take_option(args, "--top-k", kChatUsage),
-                      topp = take_option(args, "--top-p", kChatUsage), seed = take_option(args, "--seed", kChatUsage),
-                      system = take_option(args, "--system", kChatUsage), trunk = take_option(args, "--trunk", kChatUsage),
-                      effort_arg = take_option(args, "--think-effort", kChatUsage),
-                      speculate_arg = take_option(args, "--speculate", kChatUsage);
-    const bool think = take_flag(args, "--think");
-    const std::string effort = parse_think_effort(effort_arg, kChatUsage);
-    if (!effort_arg.empty() && !think) throw Usage(std::string("--think-effort needs --think\n\n") + kChatUsage);
-    if (args.size() != 1 || args[0].rfind("-", 0) == 0) throw Usage(std::string("chat takes MODEL_DIR\n\n") + kChatUsage);
+    const ChatOptionsCli co = parse_chat_args(std::move(args));
+    const std::string& system = co.system;
+    const bool think = co.think.think;
+    const std::string& effort = co.think.effort;
+    const SamplingParams& sp = co.sampling;
+    const std::size_t speculate = co.speculate, limit = co.max_new;
     ModelOptions mo;
-    mo.budget = budget_bytes(budget, preset, kChatUsage);
-    mo.plan.context = context.empty() ? 4096 : std::uint64_t(parse_count(context, "--context", kChatUsage, kMaxPositions));
-    mo.trunk_dir = trunk;
+    mo.budget = co.model.budget;
+    mo.plan.context = co.model.context.value_or(4096);
+    mo.trunk_dir = co.model.trunk;
+    mo.direct = co.model.direct;
+    if (co.model.threads > 0) set_threads(co.model.threads);
     mo.on_plan = show_and_check_plan;
-    // every option is checked before the model loads
-    SamplingParams sp;
-    sp.temperature = temp.empty() ? 0.0f : parse_real(temp, "--temperature", kChatUsage, 0.0f, 100.0f);
-    sp.top_k = topk.empty() ? 0 : int(parse_count(topk, "--top-k", kChatUsage, 1 << 30));
-    sp.top_p = topp.empty() ? 1.0f : parse_real(topp, "--top-p", kChatUsage, 0.0f, 1.0f);
-    sp.seed = seed.empty() ? 0 : std::uint64_t(parse_count(seed, "--seed", kChatUsage));
-    const std::size_t speculate = speculate_arg.empty() ? 0 : std::size_t(parse_count(speculate_arg, "--speculate", kChatUsage, 32));
-    if (!speculate_arg.empty() && speculate == 0)
-        throw Usage(std::string("--speculate must be at least 1 (leave it out for one token per step)\n\n") + kChatUsage);
-    const std::size_t limit = max_new.empty() ? 256 : std::size_t(parse_count(max_new, "--max-new", kChatUsage, kMaxPositions));
-    if (limit == 0) throw Usage(std::string("--max-new must be at least 1\n\n") + kChatUsage);
+    args = {co.dir};
     const Tokenizer tok = Tokenizer::load(args[0]);
     mo.on_plan = [&](const Plan& p, const Config& c) {  // before any weight is read
         require_same_vocabulary(tok, c, args[0]);
@@ -128,9 +155,15 @@ inline int cmd_chat(std::vector<std::string> args) {
         chat.pending.assign(w.ids().begin(), w.ids().end());
     };
     start();
-    std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit\n");
+    struct sigaction sa {}, old {};
+    sa.sa_handler = chat_interrupt;
+    sigemptyset(&sa.sa_mask);
+    if (::sigaction(SIGINT, nullptr, &old) == 0 && old.sa_handler != SIG_IGN) ::sigaction(SIGINT, &sa, nullptr);  // ignored (nohup, &): stays so
+    std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit; Ctrl-C stops a reply\n");
     std::string line;
-    while (std::fprintf(stderr, "> "), std::getline(std::cin, line)) {
+    while (std::fprintf(stderr, "> "), g_chat_at_prompt = true, std::getline(std::cin, line)) {
+        g_chat_at_prompt = false;
+        g_chat_interrupts = 0;
         if (line.empty()) continue;
         if (line == "/quit") break;
         if (line == "/reset") {
@@ -176,8 +209,12 @@ inline int cmd_chat(std::vector<std::string> args) {
                 std::fputs(text.c_str(), stdout);
                 std::fflush(stdout);
             };
-            reply = speculate ? chat_turn_speculative(model, chat, tok, line, limit, sp, speculate, print, &stats)
-                              : chat_turn(model, chat, tok, line, limit, sp, print);
+            // chat_turn's loop, with one more reason to stop: Ctrl-C (the token it came on is shown and kept)
+            reply = chat_turn_with(chat, tok, line, limit, print, [&](const std::vector<std::int64_t>& fresh, auto&& on_token) {
+                auto go = [&](std::int64_t id) { return on_token(id) && g_chat_interrupts.load() == 0; };
+                return speculate ? continue_session_speculative(model, chat.session, fresh, limit, sp, 32, speculate, go, nullptr, &stats)
+                                 : continue_session(model, chat.session, fresh, limit, sp, 32, go);
+            });
         } catch (const Error& e) {
             if (e.kind != ErrorKind::usage) throw;  // a failed read is the end (exit 4); a refused turn is not
             std::fprintf(stderr, "(not sent: %s)\n", e.what());
@@ -185,6 +222,7 @@ inline int cmd_chat(std::vector<std::string> args) {
         }
         std::printf("\n");
         std::fflush(stdout);
+        if (g_chat_interrupts.load() > 0) std::fprintf(stderr, "(stopped by Ctrl-C; the conversation goes on from here)\n");
         std::fprintf(stderr, "(%zu tokens, %.2f s; %zu in the conversation", reply.size(), seconds_since(t0), chat.session.tokens.size());
         if (speculate)
             std::fprintf(stderr, "; %zu decode steps, %zu drafted, %zu accepted: %.2f tokens per step", stats.steps, stats.drafted,
