@@ -166,7 +166,7 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // speculative verification) should read and decode each weight ONCE and use it T times. Registers
 // cannot hold T tokens' sums for several rows (T = 16, 4 rows: 64 sums of 16 lanes), so the plan is:
 //
-//   for each group of R rows:                                   (R = 4 on AVX-512, 2 on 8-wide SIMD)
+//   for each group of R rows:                      (R = 4 for AVX-512 MXFP4, 2 on 8-wide SIMD)
 //     sums[R][T] = 0                                            (16 lanes each, in memory: 4 kB at T = 16)
 //     for each panel of kPanel columns (in column order):
 //       tile[R][kPanel] = the R rows' weights of the panel, decoded to f32       <- once per weight
@@ -178,6 +178,9 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // bits of one row and one token alone. The decoder decides the register order of the tile (and x is
 // permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is.
 // A panel of 256 columns keeps the tile (4 kB) and the tokens' slice of x (16 kB at T = 16) in L1.
+// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels (chapter 05), AVX-512 past 4 tokens. The
+// AVX-512 bf16 kernel measured faster reading each row once per 8 tokens with no tile (04a): a bf16
+// weight costs one shift to decode, so keeping it decoded buys less than the tile's extra pass.
 inline constexpr std::size_t kPanel = 256;
 
 namespace detail {
