@@ -203,7 +203,6 @@ inline u32 splat_u32(std::uint32_t v) { return u32(v); }
 
 // Reinterpret the bits of a batch (no conversion), as std::bit_cast does for one value.
 inline f32 as_f32(u32 v) { return xsimd::bitwise_cast<f32>(v); }
-inline u32 as_u32(f32 v) { return xsimd::bitwise_cast<u32>(v); }
 
 // Arithmetic comes from xsimd's operators: +, -, * on f32; &, |, ^, <<, >> on u32. Each is one IEEE
 // operation per lane with its own rounding, exactly like the scalar code.
@@ -348,11 +347,12 @@ inline float silu(float x) { return x * sigmoid(x); }
 // job) runs its job alone, on its own thread, which gives the same bits.
 namespace detail {
 
-inline void cpu_relax() {
+// A spinning worker tells the core it is waiting (x86's PAUSE); elsewhere it just spins.
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
+inline void cpu_relax() { __builtin_ia32_pause(); }
+#else
+inline void cpu_relax() {}
 #endif
-}
 
 class Team {
 public:

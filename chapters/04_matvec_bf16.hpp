@@ -355,7 +355,6 @@ inline void matvec_bf16(float* y, const float* x, const bf16* w, std::size_t row
 enum class WeightType : std::uint8_t { bf16, f16, f32 };  // how a dense matrix's elements are stored
 
 inline std::size_t weight_bytes(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
-inline const char* weight_type_name(WeightType t) { return t == WeightType::bf16 ? "BF16" : t == WeightType::f16 ? "F16" : "F32"; }
 
 namespace detail {
 // Element i of a row, exactly as f32. Through memcpy: a row may start at any byte (a data section is
