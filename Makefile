@@ -307,7 +307,7 @@ fixtures:
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 480 --out fixtures/tiny-k3/tiktoken.model
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
-	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/bpe.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/little-k3 --out fixtures/little-k3/reference --ids-below 4096 --no-layers \
 	  --prompt-ids $(LITTLE_PROMPT) --tf-ids $(LITTLE_TF)
@@ -332,7 +332,7 @@ LITTLE_CORPUS := build/little-corpus
 little-data: deps $(CLI)
 	$(PYTHON) tools/little_corpus.py --self-test
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
-	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/bpe.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS) --check-roundtrip $(CLI) --model fixtures/little-k3
 

@@ -197,8 +197,43 @@ class Dims:
 # ================================================================================================
 
 
+# Training runs the matrix products in bfloat16 (float32 accumulation, a float32 result): on this
+# project's VM (AMD EPYC with AVX512-BF16) oneDNN's bfloat16 kernels run 4-5x the float32 rate of
+# OpenBLAS (370 vs 75 GFLOP/s for a [4096, 192] x [192, 192] product, one thread), and small batched
+# products gain more. Everything else (norms, softmax, the KDA chunk algebra and its state, the loss,
+# the optimizer, the master weights) stays float32. Evaluation and export run in float32 throughout:
+# `low_precision(False)` is the default, the training loop turns it on.
+_LOW_PRECISION = [False]
+
+
+class low_precision:
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.saved = _LOW_PRECISION[0]
+        _LOW_PRECISION[0] = self.on
+
+    def __exit__(self, *exc):
+        _LOW_PRECISION[0] = self.saved
+
+
+def mm(x, w):
+    """x [..., in] times w [out, in] transposed, in bfloat16 while training (see above)."""
+    if _LOW_PRECISION[0]:
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    return F.linear(x, w)
+
+
+def bmm(a, b):
+    """Batched a @ b, in bfloat16 while training."""
+    if _LOW_PRECISION[0]:
+        return torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+    return torch.matmul(a, b)
+
+
 def rms_normalize(x, eps):
-    return x * (1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def situ(a, b, d):
@@ -207,11 +242,11 @@ def situ(a, b, d):
 
 
 def mxfp4_round(w):
-    """The MXFP4 value of every weight of w [out, in] (float32), computed as tools/mxfp4.py's quantize
+    """The MXFP4 value of every weight of w [..., in] (float32), computed as tools/mxfp4.py's quantize
     does: per 32-column block the smallest power of two 2^e with max|w| / 2^e <= 6, then the nearest
     E2M1 magnitude, ties to the even code. Exact in float32 (powers of two and E2M1 values)."""
-    out_dim, in_dim = w.shape
-    blocks = w.detach().reshape(out_dim, in_dim // 32, 32)
+    shape = w.shape
+    blocks = w.detach().reshape(-1, shape[-1] // 32, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
     e = e + (amax > 6.0 * torch.exp2(e)).float()
@@ -225,12 +260,46 @@ def mxfp4_round(w):
     for i in (1, 3, 5):                                    # 0.75, 1.75, 3.5: there the even code is above
         code = torch.where(a == mid[i], code + 1, code)
     q = torch.where(code == 0, torch.zeros_like(a), mags[code] * torch.sign(blocks) * unit)  # -0 encodes as +0
-    return q.reshape(out_dim, in_dim)
+    return q.reshape(shape)
 
 
 def fake_mxfp4(w):
-    """Straight-through estimator: the forward sees the MXFP4 weight, the gradient reaches w unchanged."""
+    """Straight-through estimator: the forward sees the MXFP4 weight, the gradient reaches w unchanged.
+    (MXFP4 values are exact in bfloat16: a 1-bit mantissa times a power of two.)"""
     return w + (mxfp4_round(w) - w).detach()
+
+
+class CausalConv(torch.autograd.Function):
+    """Causal depthwise convolution y_t = sum_j w_j x_{t-W+1+j} (x [B, T, C], w [C, W]) as W shifted
+    multiply-adds, forward and backward written out: torch's depthwise conv1d is several times slower on
+    this CPU at these sizes, and autograd through slices would allocate a zero gradient per slice."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        W, T = w.shape[1], x.shape[1]
+        ctx.save_for_backward(x, w)
+        y = x * w[:, W - 1]
+        for j in range(W - 1):                       # tap j reads x_{t - (W-1-j)}
+            y[:, W - 1 - j:] += x[:, :T - (W - 1 - j)] * w[:, j]
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        W, T = w.shape[1], x.shape[1]
+        gx = gy * w[:, W - 1]
+        gw = torch.empty_like(w)
+        gw[:, W - 1] = (gy * x).sum(dim=(0, 1))
+        for j in range(W - 1):
+            s = W - 1 - j
+            gx[:, :T - s] += gy[:, s:] * w[:, j]
+            gw[:, j] = (gy[:, s:] * x[:, :T - s]).sum(dim=(0, 1))
+        return gx, gw
+
+
+def short_conv(x, taps):
+    """KDA's short convolution + SiLU: x [B, T, C], taps [C, 1, W] (the release's conv1d weight)."""
+    return F.silu(CausalConv.apply(x.contiguous(), taps[:, 0, :]))
 
 
 class KDA(torch.nn.Module):
@@ -254,28 +323,25 @@ class KDA(torch.nn.Module):
         self.dt_bias = torch.nn.Parameter(torch.linspace(-3.0, 1.0, P))              # head-major
         self.o_norm = torch.nn.Parameter(torch.ones(Dh))
 
-    @staticmethod
-    def short_conv(x, taps):  # x [B, T, P], taps [P, 1, W]: y_t = SiLU(sum_j w_j x_{t-W+1+j})
-        W = taps.shape[-1]
-        y = F.conv1d(x.transpose(1, 2), taps, padding=W - 1, groups=x.shape[-1])[..., : x.shape[1]]
-        return F.silu(y.transpose(1, 2))
-
     def forward(self, u, record=None):
         d = self.d
         B, T, _ = u.shape
-        H, Dh = d.Hk, d.Dh
-        q = self.short_conv(u @ self.q_proj.T, self.q_conv).reshape(B, T, H, Dh)
-        k = self.short_conv(u @ self.k_proj.T, self.k_conv).reshape(B, T, H, Dh)
-        v = self.short_conv(u @ self.v_proj.T, self.v_conv).reshape(B, T, H, Dh)
-        beta = torch.sigmoid(u @ self.b_proj.T)                                        # [B, T, H]
-        z = ((u @ self.f_a_proj.T) @ self.f_b_proj.T + self.dt_bias).reshape(B, T, H, Dh)
+        H, Dh, P = d.Hk, d.Dh, d.P
+        # every projection of u in one product: q k v (convolved together), the output gate, beta, f_a
+        proj = mm(u, torch.cat([self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj]))
+        # (split, not slices: a slice's gradient is a zero tensor of the whole input, one per slice)
+        pre, gate, beta, fa = proj.split([3 * P, P, H, Dh], dim=-1)
+        qkv = short_conv(pre, torch.cat([self.q_conv, self.k_conv, self.v_conv]))
+        q, k, v = (t.reshape(B, T, H, Dh) for t in qkv.split(P, dim=-1))
+        gate = torch.sigmoid(gate).reshape(B, T, H, Dh)
+        beta = torch.sigmoid(beta)                                                     # [B, T, H]
+        z = (mm(fa, self.f_b_proj) + self.dt_bias).reshape(B, T, H, Dh)
         g = d.lb * torch.sigmoid(torch.exp(self.A_log)[None, None, :, None] * z)       # log decay in (lb, 0)
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5))
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
-        gate = torch.sigmoid(u @ self.g_proj.T).reshape(B, T, H, Dh)
         o = rms_normalize(o, d.eps) * self.o_norm * gate
-        return o.reshape(B, T, d.P) @ self.o_proj.T
+        return mm(o.reshape(B, T, d.P), self.o_proj)
 
 
 def kda_recurrent(q, k, v, g, beta):
@@ -294,7 +360,11 @@ def kda_recurrent(q, k, v, g, beta):
 def kda_chunked(q, k, v, g, beta, C):
     """The chunked (WY) form of docs/kimi-k3.md 3.4.7: equal to kda_recurrent up to rounding.
     q, k, g [B, H, T, dk], v [B, H, T, dv], beta [B, H, T]; T is padded to a multiple of C with tokens
-    that change nothing after them (k = v = 0, no decay, beta = 0)."""
+    that change nothing after them (k = v = 0, no decay, beta = 0). Float32 (or float64) throughout:
+    the factors e^G and e^-G span e^-80..e^80, which bfloat16's 8-bit mantissa would not survive.
+    Products that do not depend on the state are batched over all chunks at once (two products for
+    q.k and k.k, one for (I + M)^-1 applied to [k | v]); the loop over chunks keeps only the two
+    products that carry the state, and the outputs come from one product after it."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     pad = (-T) % C
@@ -305,36 +375,34 @@ def kda_chunked(q, k, v, g, beta, C):
     q, k, v, g = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v, g))
     beta = beta.reshape(B, H, N, C)
     G = g.cumsum(dim=3)                                   # inclusive cumulative log decay
-    eG, eGn = torch.exp(G), torch.exp(-G)
-    kp, kn, qp = k * eG, k * eGn, q * eG                  # k e^G, k e^-G, q e^G
+    eG = torch.exp(G)
+    kp, kn, qp = k * eG, k * torch.exp(-G), q * eG        # k e^G, k e^-G, q e^G
     strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
     causal = torch.ones(C, C, dtype=torch.bool).tril()
-    M = (kp @ kn.transpose(-1, -2)) * beta[..., :, None]  # M[i, j] = beta_i k_i . k_j e^(G_i - G_j)
-    M = M.masked_fill(~strict, 0.0)
-    # (I + M)^-1 for a strictly lower-triangular M (M^C = 0): (I - M)(I + M^2)(I + M^4)...(I + M^(C/2)),
-    # a handful of batched products instead of one small triangular solve per (sequence, head, chunk)
-    eye = torch.eye(C, dtype=q.dtype)
-    inv, power = eye - M, M @ M
-    for _ in range(int(math.log2(C)) - 1):
-        inv = inv + inv @ power
-        power = power @ power
-    Tm = inv * beta[..., None, :]                          # (I + M)^-1 diag(beta)
-    Wm = Tm @ kp                                           # [.., C, dk]
-    U = Tm @ v                                             # [.., C, dv]
-    A = (qp @ kn.transpose(-1, -2)).masked_fill(~causal, 0.0)   # A[i, j] = q_i . k_j e^(G_i - G_j), j <= i
-    decay_to_end = torch.exp(G[..., -1:, :] - G) * k       # e^(G_last - G_j) k_j
+    KQ = torch.cat([kp, qp], dim=3) @ kn.transpose(-1, -2)  # [.., 2C, C]: k_i . k_j and q_i . k_j, times e^(G_i - G_j)
+    KK, QK = KQ.split(C, dim=3)
+    M = (KK * beta[..., :, None]).masked_fill(~strict, 0.0)  # M[i, j] = beta_i k_i . k_j e^(G_i - G_j)
+    A = QK.masked_fill(~causal, 0.0)                         # A[i, j] = q_i . k_j e^(G_i - G_j), j <= i
+    # [W | U] = (I + M)^-1 diag(beta) [k e^G | v]: one unit lower-triangular solve per (sequence, head,
+    # chunk), its diagonal never read (2x faster here, forward and backward, than the product series
+    # (I - M)(I + M^2)(I + M^4)(I + M^8) in batched products)
+    WU = torch.linalg.solve_triangular(M, torch.cat([kp, v], dim=-1) * beta[..., None], upper=False, unitriangular=True)
+    Wm, U = WU.split([dk, dv], dim=-1)
+    decay_to_end = (torch.exp(G[..., -1:, :] - G) * k).transpose(-1, -2)   # [.., dk, C]: e^(G_last - G_j) k_j
     chunk_decay = torch.exp(G[..., -1, :]).unsqueeze(-1)  # [B, H, N, dk, 1]: e^(G_last), the state's decay
     # unbind once: slicing chunk n out of each tensor inside the loop would make autograd allocate a
     # full-size zero gradient per slice (quadratic in the chunk count)
-    U, Wm, qp, A, decay_to_end, chunk_decay = (t.unbind(2) for t in (U, Wm, qp, A, decay_to_end, chunk_decay))
-    S = torch.zeros(B, H, dk, dv, dtype=q.dtype)
-    outs = []
+    U, Wm, decay_to_end, chunk_decay = (t.unbind(2) for t in (U, Wm, decay_to_end, chunk_decay))
+    S = None
+    states, values = [], []
     for n in range(N):
-        Vn = U[n] - Wm[n] @ S                              # beta_j r_j for every token of the chunk
-        outs.append(qp[n] @ S + A[n] @ Vn)
-        S = chunk_decay[n] * S + decay_to_end[n].transpose(-1, -2) @ Vn
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)
-    return o[:, :, :T]
+        Vn = U[n] if S is None else U[n] - Wm[n] @ S       # beta_j r_j for every token of the chunk
+        states.append(torch.zeros(B, H, dk, dv, dtype=q.dtype) if S is None else S)
+        values.append(Vn)
+        S = decay_to_end[n] @ Vn if S is None else chunk_decay[n] * S + decay_to_end[n] @ Vn
+    # o = q e^G S_before + A V, for every chunk in one product
+    o = torch.cat([qp, A], dim=-1) @ torch.cat([torch.stack(states, dim=2), torch.stack(values, dim=2)], dim=-2)
+    return o.reshape(B, H, N * C, dv)[:, :, :T]
 
 
 class MLA(torch.nn.Module):
@@ -356,20 +424,20 @@ class MLA(torch.nn.Module):
     def forward(self, u, record=None):
         d = self.d
         B, T, _ = u.shape
-        cq = rms_normalize(u @ self.q_a_proj.T, 1e-6) * self.q_a_layernorm
-        q = (cq @ self.q_b_proj.T).reshape(B, T, d.H, d.N + d.X)
-        kva = u @ self.kv_a_proj_with_mqa.T
-        c = rms_normalize(kva[..., : d.R], 1e-6) * self.kv_a_layernorm
-        kx = kva[..., d.R:]
-        kv = (c @ self.kv_b_proj.T).reshape(B, T, d.H, d.N + d.Dv)
-        key = torch.cat([kv[..., : d.N], kx[:, :, None, :].expand(B, T, d.H, d.X)], dim=-1)
-        scores = torch.einsum("bthd,bshd->bhts", q, key) * (d.N + d.X) ** -0.5
+        proj = mm(u, torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj]))   # q_a | kv_a | gate
+        cq, c, kx, gate = proj.split([d.Q, d.R, d.X, d.H * d.Dv], dim=-1)
+        q = mm(rms_normalize(cq, 1e-6) * self.q_a_layernorm, self.q_b_proj).reshape(B, T, d.H, d.N + d.X)
+        c = rms_normalize(c, 1e-6) * self.kv_a_layernorm
+        kv = mm(c, self.kv_b_proj).reshape(B, T, d.H, d.N + d.Dv)
+        k_nope, value = kv.split([d.N, d.Dv], dim=-1)
+        key = torch.cat([k_nope, kx[:, :, None, :].expand(B, T, d.H, d.X)], dim=-1)
+        scores = bmm(q.transpose(1, 2), key.permute(0, 2, 3, 1)) * (d.N + d.X) ** -0.5    # [B, H, T, S]
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         if record is not None:
             record["mla_probs"] = probs.detach()
-        attn = torch.einsum("bhts,bshd->bthd", probs, kv[..., d.N:]).reshape(B, T, d.H * d.Dv)
-        return (attn * torch.sigmoid(u @ self.g_proj.T)) @ self.o_proj.T
+        attn = bmm(probs, value.transpose(1, 2)).transpose(1, 2).reshape(B, T, d.H * d.Dv)
+        return mm(attn * torch.sigmoid(gate), self.o_proj)
 
 
 class DenseFFN(torch.nn.Module):
@@ -381,7 +449,8 @@ class DenseFFN(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.randn(d.D, width) * width ** -0.5 / math.sqrt(2 * d.L))
 
     def forward(self, x):
-        return situ(x @ self.gate_proj.T, x @ self.up_proj.T, self.d) @ self.down_proj.T
+        a, b = mm(x, torch.cat([self.gate_proj, self.up_proj])).split(self.gate_proj.shape[0], dim=-1)
+        return mm(situ(a, b, self.d), self.down_proj)
 
 
 class MoE(torch.nn.Module):
@@ -406,13 +475,13 @@ class MoE(torch.nn.Module):
         d = self.d
         shape = x.shape
         x = x.reshape(-1, d.D)
-        scores = torch.sigmoid(x @ self.gate.T)                                    # [N, E]
+        scores = torch.sigmoid(F.linear(x, self.gate))                             # [N, E], float32: it selects
         ids = torch.topk(scores.detach() + self.e_score_correction_bias, d.K, dim=-1).indices  # selection only
         w = torch.gather(scores, 1, ids)
         if d.K > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * d.scaling
-        z = x @ self.routed_expert_down_proj.T                                     # [N, Lt]
+        z = mm(x, self.routed_expert_down_proj)                                    # [N, Lt]
         # Every expert runs on the tokens that chose it, all experts in one batched product: the
         # (token, slot) pairs sorted by expert, padded to the busiest expert's count (the balancing bias
         # keeps that near the mean), padding rows point at an extra zero row of z.
@@ -422,22 +491,21 @@ class MoE(torch.nn.Module):
         self.load = counts.detach()
         cap = int(counts.max())
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(flat.numel()) - starts[flat[order]]                    # position within its expert
+        sorted_ids = flat[order]
+        rank = torch.arange(flat.numel()) - starts[sorted_ids]                     # position within its expert
         slot = torch.full((d.E, cap), z.shape[0], dtype=torch.int64)             # z.shape[0] = the zero row
-        slot[flat[order], rank] = order // d.K
+        slot[sorted_ids, rank] = order // d.K
         gathered = torch.cat([z, z.new_zeros(1, d.Lt)])[slot]                     # [E, cap, Lt]
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        w13, w2 = torch.cat([self.w1, self.w3], dim=1), self.w2                   # [E, 2F, Lt]: gate | up
         if self.quantize:
-            w1, w3, w2 = (torch.stack([fake_mxfp4(m[e]) for e in range(d.E)]) for m in (w1, w3, w2))
-        h = situ(gathered @ w1.transpose(1, 2), gathered @ w3.transpose(1, 2), d)   # [E, cap, F]
-        out = h @ w2.transpose(1, 2)                                              # [E, cap, Lt]
-        pair_weight = torch.zeros(d.E, cap)
-        pair_weight = pair_weight.index_put((flat[order], rank), w.reshape(-1)[order])
-        y_lat = torch.zeros(z.shape[0] + 1, d.Lt).index_add(0, slot.reshape(-1),
-                                                           (out * pair_weight[..., None]).reshape(-1, d.Lt))[:-1]
+            w13, w2 = fake_mxfp4(w13), fake_mxfp4(w2)                             # blocks run along Lt / F
+        h = situ(*bmm(gathered, w13.transpose(1, 2)).split(d.F, dim=-1), d)       # [E, cap, F]
+        pair_weight = torch.zeros(d.E, cap).index_put((sorted_ids, rank), w.reshape(-1)[order])
+        out = bmm(h * pair_weight[..., None], w2.transpose(1, 2))                 # [E, cap, Lt], weighted
+        y_lat = torch.zeros(z.shape[0] + 1, d.Lt).index_add(0, slot.reshape(-1), out.reshape(-1, d.Lt))[:-1]
         if record is not None:
             record["moe_ids"] = ids.detach().reshape(*shape[:-1], d.K)
-        y = (rms_normalize(y_lat, d.eps) * self.routed_expert_norm) @ self.routed_expert_up_proj.T
+        y = mm(rms_normalize(y_lat, d.eps) * self.routed_expert_norm, self.routed_expert_up_proj)
         return (y + self.shared(x)).reshape(shape)
 
 
@@ -512,7 +580,7 @@ class LittleK3(torch.nn.Module):
             if record is not None:
                 record.append(rec)
         x, _ = attn_res_mix(bank + [h], self.output_attn_res_norm, self.output_attn_res_proj)
-        return (rms_normalize(x, d.eps) * self.norm) @ self.lm_head.T
+        return mm(rms_normalize(x, d.eps) * self.norm, self.lm_head)
 
     def moe_layers(self):
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
@@ -963,6 +1031,29 @@ def self_check():
             print(f"self-check: chunked KDA (C={C}) vs recurrence, {dtype}: max rel error {err:.2e}")
             if not err < tol:
                 raise SystemExit(f"self-check failed: chunked KDA disagrees with the recurrence ({err:.2e} >= {tol})")
+        # gradients too (training differentiates the chunked form): float64, every input
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        probe = torch.randn(ref.shape, generator=g, dtype=dtype)
+        (kda_chunked(*inputs, 16) * probe).sum().backward()
+        (kda_recurrent(*ref_inputs) * probe).sum().backward()
+        err = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in zip(inputs, ref_inputs))
+        print(f"self-check: chunked KDA gradients vs the recurrence's, {dtype}: max rel error {err:.2e}")
+        if not err < tol:
+            raise SystemExit(f"self-check failed: chunked KDA gradients disagree with the recurrence ({err:.2e} >= {tol})")
+    # the short convolution against torch's conv1d (the definition), values and gradients
+    x = torch.randn(2, 11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    taps = torch.randn(6, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(2, 11, 6, generator=g, dtype=torch.float64)
+    (short_conv(x, taps) * probe).sum().backward()
+    mine = (short_conv(x, taps).detach(), x.grad.clone(), taps.grad.clone())
+    x.grad, taps.grad = None, None
+    defined = F.silu(F.conv1d(x.transpose(1, 2), taps, padding=3, groups=6)[..., :11].transpose(1, 2))
+    (defined * probe).sum().backward()
+    err = max(float((a - b).abs().max()) for a, b in zip(mine, (defined.detach(), x.grad, taps.grad)))
+    print(f"self-check: short convolution vs conv1d (values, gradients), float64: max abs error {err:.2e}")
+    if not err < 1e-12:
+        raise SystemExit(f"self-check failed: the short convolution differs from conv1d ({err:.2e})")
     w = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (64, 1), generator=g).float())
     w[0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)   # every tie, exactly
     w[1] = 0.0
@@ -1033,8 +1124,13 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
 
 
 def main(argv=None):
-    if argv is None and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **MALLOC_ENV})
+    # OpenBLAS (the float32 products) keeps its own thread pool, sized to the machine unless told: give it
+    # --threads too, before it loads.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--threads", type=int, default=2)
+    env = {**MALLOC_ENV, "OPENBLAS_NUM_THREADS": str(pre.parse_known_args(argv)[0].threads)}
+    if argv is None and any(os.environ.get(k) != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **env})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="build/little-corpus", help="tools/little_corpus.py's output folder")
     ap.add_argument("--work", default="build/little-k3-train", help="checkpoints, token cache, logs")
@@ -1109,10 +1205,11 @@ def main(argv=None):
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
         x, y = corpus.batch(data_rng, args.batch, args.seq)
         t0 = time.time()
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with low_precision(True):
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
