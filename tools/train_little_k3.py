@@ -38,6 +38,7 @@ optimised BLAS: Debian's python3-torch uses libblas.so.3, which is the slow refe
 
 import argparse
 import base64
+import collections
 import json
 import math
 import os
@@ -56,6 +57,7 @@ sys.dont_write_bytecode = True
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TOOLS_DIR)
 sys.path.insert(0, TOOLS_DIR)
+import little_chat  # noqa: E402
 import mxfp4  # noqa: E402
 import st  # noqa: E402
 
@@ -620,11 +622,14 @@ def read_documents(data_dir, split):
 
 class ChatRenderer:
     """K3's XTML chat format (docs/kimi-k3.md section 4) as token ids, exactly as chapter 15 renders it:
-    structural markers are special ids, every text segment is encoded on its own."""
+    structural markers are special ids, every text segment is encoded on its own; attributes in the
+    order role, type, name, tool, index, values escaped (& -> &amp;, " -> &quot;)."""
 
     def __init__(self, encode):
         self.encode = encode   # list of strings -> list of id lists (batched)
         self.segments = []     # ("special", id) or ("text", string)
+        self.calls = []        # (tool, arguments) of every assistant call, in order
+        self.user_end = []     # len(segments) after each user message (evaluation prompts cut there)
 
     def special(self, name):
         self.segments.append(("special", SPECIAL[name]))
@@ -639,16 +644,45 @@ class ChatRenderer:
     def close(self, tag):
         self.special("<|close|>"), self.text(tag), self.special("<|sep|>")
 
-    def message(self, role, content, think=None):
-        self.open(f'message role="{role}"')
+    @staticmethod
+    def attr(key, value):
+        return f' {key}="' + str(value).replace("&", "&amp;").replace('"', "&quot;") + '"'
+
+    def thinking_effort(self, effort):
+        """The message that opens a chat with thinking on (chapter 15's thinking_effort_text)."""
+        self.message("system", "`thinking_effort` guides on how much to think in your thinking channel (not including "
+                     "the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the "
+                     f"system is invoked with `thinking_effort={effort}`.", type="thinking-effort")
+
+    def message(self, role, content, think=None, type=None, tool=None, index=None, tool_calls=()):
+        tag = "message" + self.attr("role", role) + (self.attr("type", type) if type else "")
+        if tool is not None:
+            tag += self.attr("tool", tool) + self.attr("index", index)
+        self.open(tag)
         if role == "assistant":
             if think is not None:
                 self.open("think"), self.text(think), self.close("think")
             self.open("response"), self.text(content), self.close("response")
+            if tool_calls:
+                self.open("tools")
+                for k, (name, args) in enumerate(tool_calls):
+                    self.calls.append((name, dict(args)))
+                    self.open("call" + self.attr("tool", name) + self.attr("index", k + 1))
+                    for key, value in args.items():
+                        self.open("argument" + self.attr("key", key) + self.attr("type", "string"))
+                        self.text(value), self.close("argument")
+                    self.close("call")
+                self.close("tools")
         else:
             self.text(content)
         self.close("message")
         self.special("<|end_of_msg|>")
+        if role == "user":
+            self.user_end.append(len(self.segments))
+
+    def generation_prompt(self, think=False):
+        self.open("message" + self.attr("role", "assistant"))
+        self.open("think" if think else "response")
 
 
 def render_many(samples, encode):
@@ -667,75 +701,53 @@ def render_many(samples, encode):
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 
+ABBREVIATIONS = {"Mr.", "Mrs.", "Ms.", "Dr.", "St.", "Jr.", "Sr.", "Gov.", "Gen.", "Sen.", "Rep.", "Lt.", "Col.",
+                 "Capt.", "Sgt.", "Prof.", "Rev.", "Mt.", "No.", "Co.", "Inc.", "Ltd.", "Vs.", "vs.", "U.S.", "e.g.", "i.e."}
+
+
 def sentences_of(text):
-    return [s.strip() for s in SENTENCE_END.split(text.replace("\n", " ")) if len(s.strip()) > 1]
+    """Sentences of a paragraph: cut after . ! ? before a capital or quote, except after a title or a
+    single initial (Mr. Dooley, Gov. Price Daniel, I. A. P. A.)."""
+    out = []
+    for piece in SENTENCE_END.split(text.replace("\n", " ")):
+        piece = piece.strip()
+        last = out[-1].rsplit(" ", 1)[-1] if out else ""
+        if out and (last in ABBREVIATIONS or re.fullmatch(r"[A-Z]\.", last)):
+            out[-1] += " " + piece
+        elif piece:
+            out.append(piece)
+    return [s for s in out if len(s) > 1]
 
 
-RECALL_KINDS = [("secret number", lambda r: str(r.randint(10, 9999))),
-                ("name of the ship", lambda r: r.choice(["Aurora", "Bellwether", "Calypso", "Dauntless", "Endeavour",
-                                                         "Falcon", "Gannet", "Halcyon", "Intrepid", "Juniper"])),
-                ("color of the door", lambda r: r.choice(["red", "blue", "green", "yellow", "white", "black",
-                                                          "orange", "purple", "brown", "grey"])),
-                ("city she visited", lambda r: r.choice(["Boston", "Denver", "Lisbon", "Madrid", "Oslo", "Paris",
-                                                         "Prague", "Quebec", "Seattle", "Vienna"]))]
+def synthetic_parts(train_docs, held_docs, rng):
+    """The seeded synthetic data (tools/little_chat.py): chat conversations for the training stream,
+    copy passages for the copy stream, and the held-out chat test prompts (from held-out documents)."""
+    paragraphs = [p for doc in train_docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 2]
+    held_paragraphs = [p for doc in held_docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 3]
+    words = sorted({w.strip(".,;:!?\"'()") for p in paragraphs[:4000] for w in p.split()
+                    if w.strip(".,;:!?\"'()").isalpha() and 3 <= len(w) <= 10})
+    return paragraphs, held_paragraphs, words
 
 
-def synthetic_samples(docs, rng, n_chat, n_recall):
-    """Seeded chat turns and recall passages built from corpus paragraphs (segment lists, not ids)."""
-    paragraphs = [p for doc in docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 3]
-    samples = []
-    for _ in range(n_chat):
-        r = ChatRenderer(None)
-        if rng.random() < 0.2:
-            r.message("system", "You are a helpful assistant.")
-        for _turn in range(rng.choice([1, 1, 1, 2])):
-            sents = sentences_of(rng.choice(paragraphs))
-            kind = rng.random()
-            if kind < 0.35:
-                user, reply = sents[0], " ".join(sents[1:4])
-            elif kind < 0.6:
-                user, reply = "Continue this text: " + sents[0], " ".join(sents[1:4])
-            elif kind < 0.8:
-                s = rng.choice(sents)
-                user, reply = "Repeat after me: " + s, s
-            else:
-                caps = [w.strip(".,;:!?\"'()") for s in sents for w in s.split()[1:] if w[:1].isupper()]
-                caps = [c for c in caps if len(c) > 2 and c.isalpha()]
-                if not caps:
-                    user, reply = sents[0], " ".join(sents[1:4])
-                else:
-                    topic = max(sorted(set(caps)), key=caps.count)
-                    about = [s for s in sents if topic in s][:3]
-                    user, reply = f"Tell me about {topic}.", " ".join(about)
-            r.message("user", user)
-            r.message("assistant", reply, think="" if rng.random() < 0.3 else None)
-        samples.append(r.segments)
-    for _ in range(n_recall):
-        what, value = rng.choice(RECALL_KINDS)
-        v = value(rng)
-        filler = " ".join(sentences_of(rng.choice(paragraphs))[: rng.randint(2, 5)])
-        fact = f"Remember this: the {what} is {v}."
-        question = f"What is the {what}?"
-        answer = f"The {what} is {v}."
-        r = ChatRenderer(None)
-        if rng.random() < 0.5:
-            r.text(f"{fact} {filler} {question} {answer}")
-        else:
-            r.message("user", f"{fact} {filler} {question}")
-            r.message("assistant", answer)
-        samples.append(r.segments)
-    rng.shuffle(samples)
-    return samples
+DATA_VERSION = 2   # part of the token cache's stamp: 2 = little_chat.py's chat, copy stream, test prompts
 
 
 class Corpus:
-    """The training stream and the held-out documents, as token ids (cached in the work folder)."""
+    """The training stream, the copy stream and the held-out documents, as token ids (cached in the work
+    folder: a resumed run reads the same data back).
 
-    def __init__(self, data_dir, work, model_dir, synthetic_share=(0.10, 0.04)):
+    stream       the training documents and seeded chat conversations (a share `chat_share` of the
+                 tokens), each followed by [EOS], in a seeded shuffled order
+    copy_stream  copy passages (tools/little_chat.py copy_text), as many tokens as `copy_tokens` x the
+                 plain tokens; batch() draws a share of each batch from it (the copy curriculum)
+    heldout      the held-out documents (no step of training sees them), and chat_tests: 20 chat test
+                 prompts made from held-out passages with their own seed."""
+
+    def __init__(self, data_dir, work, model_dir, chat_share=0.15, copy_tokens=0.25):
         cache = os.path.join(work, "tokens.pt")
         manifest = os.path.join(data_dir, "manifest.json")
         key = open(manifest, "rb").read() + open(os.path.join(model_dir, "tiktoken.model"), "rb").read()
-        stamp = str(hash_bytes(key)) + repr(synthetic_share)
+        stamp = str(hash_bytes(key)) + repr((chat_share, copy_tokens, DATA_VERSION))
         if os.path.exists(cache):
             c = torch.load(cache)
             if c.get("stamp") == stamp:
@@ -750,34 +762,64 @@ class Corpus:
         held_ids = encode([d["text"] for d in held_docs])
         n_plain = sum(len(x) for x in train_ids)
         rng = random.Random(SEED)
-        # sizes of the synthetic parts: shares of the final stream (a chat sample is ~150 tokens,
-        # a recall passage ~110)
-        chat_n = int(n_plain * synthetic_share[0] / (1 - sum(synthetic_share)) / 150)
-        recall_n = int(n_plain * synthetic_share[1] / (1 - sum(synthetic_share)) / 110)
-        synth = render_many(synthetic_samples(train_docs, rng, chat_n, recall_n), encode)
+        paragraphs, held_paragraphs, words = synthetic_parts(train_docs, held_docs, rng)
+        # chat: sampled until it holds chat_share of the stream (a conversation is ~120 tokens)
+        want = int(n_plain * chat_share / (1 - chat_share))
+        chats, kinds, n_chat = [], collections.Counter(), 0
+        while n_chat < want:
+            batch = [little_chat.chat_sample(rng, ChatRenderer, paragraphs, sentences_of) for _ in range(2000)]
+            ids = render_many([seg for seg, _ in batch], encode)
+            for x, (_, kind) in zip(ids, batch):
+                chats.append(x)
+                kinds[kind] += len(x) + 1
+                n_chat += len(x) + 1
+        copies, n_copy = [], 0
+        while n_copy < copy_tokens * n_plain:
+            texts = [little_chat.copy_text(rng, paragraphs, words) for _ in range(2000)]
+            for x in encode(texts):
+                copies.append(x)
+                n_copy += len(x) + 1
+        tests = little_chat.eval_chat_prompts(random.Random(SEED + 1), ChatRenderer, held_paragraphs, sentences_of)
+        test_ids = render_many([t["segments"] for t in tests], encode)
         eos = SPECIAL["[EOS]"]
-        pieces = [ids + [eos] for ids in train_ids] + [ids + [eos] for ids in synth]
+        pieces = [ids + [eos] for ids in train_ids] + [ids + [eos] for ids in chats]
         rng.shuffle(pieces)
-        stream = [t for p in pieces for t in p]
-        self.stream = torch.tensor(stream, dtype=torch.int16 if VOCAB < 32768 else torch.int32)
+        dtype = torch.int16 if VOCAB < 32768 else torch.int32
+        self.stream = torch.tensor([t for p in pieces for t in p], dtype=dtype)
+        self.copy_stream = torch.tensor([t for p in copies for t in p + [eos]], dtype=dtype)
+        self.chat_tests = [dict(t, ids=x, segments=None) for t, x in zip(tests, test_ids)]
         self.heldout = [torch.tensor(ids, dtype=torch.int64) for ids in held_ids]
         self.heldout_bytes = [len(d["text"].encode("utf-8")) for d in held_docs]
         self.heldout_names = [d["id"] for d in held_docs]
         self.train_plain_tokens = n_plain
         self.train_bytes = sum(len(d["text"].encode("utf-8")) for d in train_docs)
-        self.synthetic_tokens = sum(len(x) + 1 for x in synth)
+        self.synthetic_tokens = n_chat
+        self.synthetic_kinds = dict(kinds)
+        self.copy_tokens = n_copy
         self.train_ids_for_ngrams = train_ids
         self.stamp = stamp
         print(f"tokenized {len(train_docs)} + {len(held_docs)} documents in {time.time() - t0:.1f} s: "
-              f"{n_plain} plain + {self.synthetic_tokens} synthetic training tokens, "
+              f"{n_plain} plain + {n_chat} chat training tokens ({dict(kinds)}), copy stream {n_copy}, "
               f"{sum(len(x) for x in held_ids)} held-out tokens", flush=True)
         torch.save(dict((k, v) for k, v in self.__dict__.items()), cache)
 
-    def batch(self, rng, batch, seq):
-        """`batch` random windows of seq + 1 tokens of the training stream."""
-        starts = torch.randint(0, len(self.stream) - seq - 1, (batch,), generator=rng)
-        w = torch.stack([self.stream[s:s + seq + 1] for s in starts.tolist()]).to(torch.int64)
+    def batch(self, rng, batch, seq, copy_share=0.0):
+        """`batch` random windows of seq + 1 tokens: round(copy_share x batch) of them from the copy
+        stream, the rest from the training stream."""
+        n_copy = int(round(copy_share * batch))
+        starts = torch.randint(0, len(self.stream) - seq - 1, (batch - n_copy,), generator=rng)
+        copy_starts = torch.randint(0, len(self.copy_stream) - seq - 1, (n_copy,), generator=rng)
+        w = torch.stack([self.stream[s:s + seq + 1] for s in starts.tolist()] +
+                        [self.copy_stream[s:s + seq + 1] for s in copy_starts.tolist()]).to(torch.int64)
         return w[:, :-1], w[:, 1:]
+
+
+def copy_share_at(step, steps, start=0.3, end=0.05, until=0.5):
+    """The copy curriculum: the share of each batch drawn from the copy stream, `start` at step 0 falling
+    linearly to `end` at `until` of the run, `end` after that (induction heads form early; later the
+    text itself has enough repeats to keep them)."""
+    f = step / max(1, steps)
+    return end if f >= until else start + (end - start) * f / until
 
 
 def hash_bytes(b):
@@ -1145,10 +1187,16 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--no-copy-curriculum", dest="copy_curriculum", action="store_false",
+                    help="draw no batch rows from the copy stream (copy_share_at gives the schedule)")
+    ap.add_argument("--no-finish", action="store_true",
+                    help="train and checkpoint only; export and measure later with --finish-only")
     ap.add_argument("--self-check", action="store_true", help="run the self-checks and stop")
     ap.add_argument("--bench", type=int, default=0, help="time N training steps and stop")
     ap.add_argument("--finish-only", action="store_true", help="export and measure the checkpoint in --work again")
     ap.add_argument("--eval-docs", type=int, default=None, help="measure on the first N held-out documents only (quick checks)")
+    ap.add_argument("--measure", default=None, metavar="MODEL_DIR",
+                    help="measure an exported model (bits per byte, copy accuracy, loops, router, chat) and stop")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -1162,6 +1210,17 @@ def main(argv=None):
     with open(os.path.join(args.out, "tiktoken.model"), "rb") as f:
         set_vocabulary(sum(1 for line in f if line.strip()))
     corpus = Corpus(args.data, args.work, args.out)
+    if args.measure:
+        m = load_model(args.measure)
+        t = time.time()
+        result = {"model": args.measure, "bits_per_byte": bits_per_byte(m, corpus, args.seq, limit_docs=args.eval_docs),
+                  "router": router_stats(m, corpus, args.seq, limit_docs=args.eval_docs or 40),
+                  **behaviour(m, corpus, args.measure, args.seq, args.eval_docs)}
+        with open(os.path.join(args.work, "measure.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        print(json.dumps({k: result[k] for k in ("bits_per_byte", "copy", "loops", "chat", "router_specialisation")}, indent=1))
+        print(f"measured in {time.time() - t:.0f} s; all in {args.work}/measure.json", flush=True)
+        return 0
     torch.manual_seed(SEED)
     d = Dims(TEXT_CONFIG)
     model = LittleK3(d)
@@ -1203,7 +1262,7 @@ def main(argv=None):
             moe.quantize = qat
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
-        x, y = corpus.batch(data_rng, args.batch, args.seq)
+        x, y = corpus.batch(data_rng, args.batch, args.seq, copy_share_at(step, args.steps) if args.copy_curriculum else 0.0)
         t0 = time.time()
         with low_precision(True):
             logits = model(x)
@@ -1236,14 +1295,20 @@ def main(argv=None):
             state["log"].append(line)
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             ev = bits_per_byte(model, corpus, args.seq, limit_docs=12)
+            cp = copy_accuracy(model, corpus, args.seq, limit_docs=12)
             state["eval_points"].append((state["step"] * tokens_per_step, ev))
-            print(f"  held-out (first 12 documents): {ev:.4f} bits/byte", flush=True)
+            state.setdefault("copy_points", []).append((state["step"] * tokens_per_step, cp["copy_accuracy"], cp["repeat_accuracy"]))
+            print(f"  held-out (first 12 documents): {ev:.4f} bits/byte, copy accuracy {cp['copy_accuracy']:.3f} "
+                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f}", flush=True)
             svg_curves(os.path.join(args.work, "loss.svg"), state["train_points"], state["eval_points"], "little K3 training")
         if time.time() - last_ckpt > args.checkpoint_minutes * 60:
             save()
             last_ckpt = time.time()
     if not args.finish_only:
         save()
+    if args.no_finish:
+        print(f"trained {state['step']} steps in {state['seconds'] / 60:.1f} min; --no-finish: stopping", flush=True)
+        return 0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = {"steps": state["step"], "seconds": state["seconds"], "peak_rss_mb": peak_rss_mb,
                "tokens": state["step"] * tokens_per_step, "params": n_params, "batch": args.batch, "seq": args.seq,
@@ -1301,17 +1366,209 @@ def greedy_continue(model, ids, steps):
 
 def decode_ids(model_dir, ids):
     """Text of ids with the vocabulary in model_dir (BPE bytes; specials by name), for TRAINING.md."""
+    ranks = token_bytes(model_dir)
+    names = {v: k for k, v in SPECIAL.items()}
+    out = b""
+    for i in ids:
+        out += ranks[i] if i in ranks else names.get(i, f"<|reserved_token_{i}|>").encode()
+    return out.decode("utf-8", errors="replace")
+
+
+def token_bytes(model_dir):
     ranks = {}
     with open(os.path.join(model_dir, "tiktoken.model")) as f:
         for line in f:
             if line.strip():
                 b64, rank = line.split()
                 ranks[int(rank)] = base64.b64decode(b64)
-    names = {v: k for k, v in SPECIAL.items()}
-    out = b""
-    for i in ids:
-        out += ranks[i] if i in ranks else names.get(i, f"<|reserved_token_{i}|>").encode()
-    return out.decode("utf-8", errors="replace")
+    return ranks
+
+
+@torch.no_grad()
+def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
+    """Held-out copy accuracy. In every window of the held-out documents (as bits_per_byte cuts them),
+    the positions t whose last two tokens (x[t-1], x[t]) occurred earlier in the window, at (x[j-1], x[j])
+    for the latest such j < t, and where the token that followed there, x[j+1], is the true next token
+    x[t+1]: the share of them where the model's argmax at t is x[t+1]. A model that copies gets these
+    right; one that only knows common bigrams gets the share where the copy is also the likeliest bigram.
+    Also: the same on repeated spans (a held-out span A of 64 tokens, another span B, then A again: the
+    positions of the second A after its first two tokens). Returns a dict."""
+    model.eval()
+    pairs, _ = heldout_windows(corpus, seq, limit_docs)
+    full = [(x, y) for x, y in pairs if len(x) == seq]
+    hits = total = 0
+    for i in range(0, len(full), batch):
+        xs = torch.stack([x for x, _ in full[i:i + batch]])
+        ys = torch.stack([y for _, y in full[i:i + batch]])
+        pred = model(xs).argmax(-1)
+        for x, y, p in zip(xs.tolist(), ys.tolist(), pred.tolist()):
+            last = {}
+            for t in range(1, len(x)):
+                j = last.get((x[t - 1], x[t]))
+                if j is not None and x[j + 1] == y[t]:
+                    total += 1
+                    hits += p[t] == y[t]
+                last[(x[t - 1], x[t])] = t
+    # repeated spans
+    spans = [x[:64] for x, _ in full[: 2 * 48]]
+    rep_hits = rep_total = 0
+    rows = [torch.cat([spans[2 * k], spans[2 * k + 1], spans[2 * k]]) for k in range(len(spans) // 2)]
+    for i in range(0, len(rows), batch):
+        xs = torch.stack(rows[i:i + batch])
+        pred = model(xs[:, :-1]).argmax(-1)
+        tgt = xs[:, 1:]
+        sl = slice(128 + 1, 191)     # predictions of tokens 130..191 (the second A from its third token)
+        rep_hits += int((pred[:, sl] == tgt[:, sl]).sum())
+        rep_total += pred[:, sl].numel()
+    model.train()
+    return {"copy_accuracy": hits / max(1, total), "copy_positions": total,
+            "repeat_accuracy": rep_hits / max(1, rep_total), "repeat_positions": rep_total}
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts, steps, stop=()):
+    """Greedy continuations of equal-length prompts, all at once (the whole forward per step)."""
+    ids = torch.tensor(prompts)
+    out = []
+    for _ in range(steps):
+        nxt = model(ids)[:, -1].argmax(-1)
+        out.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    rows = torch.stack(out, dim=1).tolist()
+    cut = []
+    for r in rows:
+        for k, t in enumerate(r):
+            if t in stop:
+                r = r[:k + 1]
+                break
+        cut.append(r)
+    return cut
+
+
+def has_repeat(ids, n=8):
+    seen = set()
+    for i in range(len(ids) - n + 1):
+        g = tuple(ids[i:i + n])
+        if g in seen:
+            return True
+        seen.add(g)
+    return False
+
+
+@torch.no_grad()
+def loop_share(model, corpus, n_prompts=40, prompt_len=16, steps=48):
+    """The share of greedy continuations (48 tokens) of held-out prompts (16 tokens from the start of
+    held-out paragraphs, spread over the documents) that contain a repeated 8-gram."""
+    model.eval()
+    nl = set(i for i, b in token_bytes_cache().items() if b.endswith(b"\n"))
+    prompts = []
+    for doc in corpus.heldout:
+        ids = doc.tolist()
+        starts = [0] + [k + 1 for k, t in enumerate(ids[:-prompt_len - 1]) if t in nl]
+        prompts += [ids[s:s + prompt_len] for s in starts[::max(1, len(starts) // 3)][:3]]
+    step = max(1, len(prompts) // n_prompts)
+    prompts = prompts[::step][:n_prompts]
+    conts = []
+    for i in range(0, len(prompts), 20):
+        conts += greedy_batch(model, prompts[i:i + 20], steps)
+    model.train()
+    return {"loop_share": sum(has_repeat(c) for c in conts) / len(conts), "prompts": len(conts)}, prompts, conts
+
+
+_TOKEN_BYTES = {}
+
+
+def token_bytes_cache():
+    return _TOKEN_BYTES
+
+
+FUNCTION_WORDS = {b" the", b" of", b" and", b" to", b" a", b" in", b" is", b" that", b" for", b" it", b" was",
+                  b" on", b" with", b" as", b" he", b" his", b" by", b" at", b" be", b" this", b" not", b" or",
+                  b" from", b" but", b" an", b" they", b" which", b" you", b" she", b" her", b" had", b" are"}
+
+
+@torch.no_grad()
+def router_specialisation(model, corpus, seq, limit_docs=40):
+    """Per MoE layer, how far the experts chosen for digit tokens, punctuation tokens and function words
+    are from the experts chosen for all tokens: the total variation distance between the two
+    distributions of choices (0 = the same experts, 1 = disjoint)."""
+    model.eval()
+    tb = token_bytes_cache()
+    classes = {"digits": lambda b: b.strip().isdigit(),
+               "punctuation": lambda b: bool(b.strip()) and not any(chr(c).isalnum() for c in b),
+               "function words": lambda b: b in FUNCTION_WORDS}
+    pairs, _ = heldout_windows(corpus, seq, limit_docs)
+    full = [x for x, _ in pairs if len(x) == seq]
+    E = model.d.E
+    counts = None
+    for i in range(0, len(full), 16):
+        xs = torch.stack(full[i:i + 16])
+        rec = []
+        model(xs, record=rec)
+        ids = [r["moe_ids"] for r in rec if "moe_ids" in r]
+        flat_tok = xs.reshape(-1)
+        masks = {"all": torch.ones_like(flat_tok, dtype=torch.bool)}
+        for name, f in classes.items():
+            good = torch.tensor([f(tb.get(t, b"")) for t in range(VOCAB)])
+            masks[name] = good[flat_tok]
+        c = [{k: torch.bincount(l.reshape(-1, l.shape[-1])[m].reshape(-1), minlength=E).double() for k, m in masks.items()}
+             for l in ids]
+        counts = c if counts is None else [{k: a[k] + b[k] for k in a} for a, b in zip(counts, c)]
+    rows = []
+    for c in counts:
+        p_all = c["all"] / c["all"].sum()
+        rows.append({k: float(0.5 * (c[k] / c[k].sum().clamp(min=1) - p_all).abs().sum()) for k in classes})
+    model.train()
+    return rows
+
+
+CLEAN_END = re.compile(r"^(?:(?!<\|open\|>|<\|close\|>).)*?<\|close\|>response<\|sep\|>"
+                       r"(<\|open\|>tools<\|sep\|>.*<\|close\|>tools<\|sep\|>)?<\|close\|>message<\|sep\|><\|end_of_msg\|>$", re.S)
+CALL_RE = re.compile(r'<\|open\|>call tool="([^"]*)" index="1"<\|sep\|>((?:<\|open\|>argument key="[^"]*" type="string"<\|sep\|>'
+                     r'(?:(?!<\|).)*<\|close\|>argument<\|sep\|>)*)<\|close\|>call<\|sep\|>', re.S)
+ARG_RE = re.compile(r'<\|open\|>argument key="([^"]*)" type="string"<\|sep\|>((?:(?!<\|).)*)<\|close\|>argument<\|sep\|>', re.S)
+
+
+@torch.no_grad()
+def chat_eval(model, corpus, model_dir, steps=96):
+    """The held-out chat test prompts (greedy, thinking off): how many replies end cleanly (response,
+    optional tools block, close of the message, <|end_of_msg|>), how many tool prompts get a well-formed
+    call of the declared tool with its argument keys (and the right values), how many passage questions
+    are answered (the reply contains the expected text)."""
+    model.eval()
+    stop = (SPECIAL["<|end_of_msg|>"], SPECIAL["[EOS]"])
+    rows = []
+    for t in corpus.chat_tests:
+        out = greedy_batch(model, [t["ids"]], steps, stop)[0]
+        text = decode_ids(model_dir, out)
+        row = {"kind": t["kind"], "reply": text, "clean": bool(CLEAN_END.match(text))}
+        if t["kind"] == "tool":
+            m = CALL_RE.search(text)
+            args = dict(ARG_RE.findall(m.group(2))) if m else {}
+            row["well_formed"] = bool(m) and m.group(1) == t["tool"] and set(args) == set(t["args"]) and all(args.values())
+            row["right_arguments"] = bool(m) and m.group(1) == t["tool"] and args == t["args"]
+        if t["kind"] == "passage":
+            row["answered"] = t["expect"].lower() in text.lower()
+        rows.append(row)
+    model.train()
+    summary = {"clean": sum(r["clean"] for r in rows), "prompts": len(rows),
+               "tool_well_formed": sum(r.get("well_formed", False) for r in rows),
+               "tool_right_arguments": sum(r.get("right_arguments", False) for r in rows),
+               "tool_prompts": sum(r["kind"] == "tool" for r in rows),
+               "passage_answered": sum(r.get("answered", False) for r in rows),
+               "passage_prompts": sum(r["kind"] == "passage" for r in rows)}
+    return summary, rows
+
+
+def behaviour(model, corpus, model_dir, seq, limit_docs=None):
+    """Everything issue 26 measures beyond bits per byte, in one dict."""
+    _TOKEN_BYTES.clear()
+    _TOKEN_BYTES.update(token_bytes(model_dir))
+    loops, prompts, conts = loop_share(model, corpus)
+    chat, chat_rows = chat_eval(model, corpus, model_dir) if getattr(corpus, "chat_tests", None) else ({}, [])
+    return {"copy": copy_accuracy(model, corpus, seq, limit_docs), "loops": loops,
+            "loop_samples": [(decode_ids(model_dir, p), decode_ids(model_dir, c)) for p, c in list(zip(prompts, conts))[:8]],
+            "router_specialisation": router_specialisation(model, corpus, seq), "chat": chat, "chat_replies": chat_rows}
 
 
 def finish(args, model, corpus, state, summary, ckpt_preqat):
@@ -1345,6 +1602,8 @@ def finish(args, model, corpus, state, summary, ckpt_preqat):
     exported_bpb = full(exported)
     rows.append(("little K3, exported (bf16 trunk, MXFP4 experts): what the engine runs", exported_bpb))
     stats = router_stats(exported, corpus, args.seq, limit_docs=args.eval_docs or 40)
+    beh = behaviour(exported, corpus, args.out, args.seq, args.eval_docs)
+    print(json.dumps({k: beh[k] for k in ("copy", "loops", "chat", "router_specialisation")}), flush=True)
     # greedy continuations of held-out prompts (the first 12 tokens of held-out documents)
     samples = []
     for i in range(0, len(corpus.heldout), max(1, len(corpus.heldout) // 6))[:6]:
@@ -1353,7 +1612,7 @@ def finish(args, model, corpus, state, summary, ckpt_preqat):
         samples.append((decode_ids(args.out, prompt), decode_ids(args.out, cont)))
     svg_curves(os.path.join(args.out, "training-curves.svg"), state["train_points"], state["eval_points"],
                "little K3: training and held-out loss")
-    result = {"quality": rows, "router": stats, "samples": samples, "summary": summary,
+    result = {"quality": rows, "router": stats, "samples": samples, "summary": summary, "behaviour": beh,
               "heldout_bytes": sum(corpus.heldout_bytes), "heldout_tokens": sum(len(x) for x in corpus.heldout),
               "train_bytes": corpus.train_bytes, "train_plain_tokens": corpus.train_plain_tokens,
               "synthetic_tokens": corpus.synthetic_tokens}
