@@ -1263,7 +1263,7 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
         x, y = corpus.batch(data_rng, args.batch, args.seq, copy_share_at(step, args.steps) if args.copy_curriculum else 0.0)
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         with low_precision(True):
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
@@ -1279,7 +1279,9 @@ def main(argv=None):
         bpb = float(loss) / math.log(2) / bytes_per_token
         smooth = bpb if smooth is None else 0.98 * smooth + 0.02 * bpb
         if args.bench:
-            print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, loss {float(loss):.3f}", flush=True)
+            cpu = time.process_time() - c0
+            print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, {cpu:.3f} s CPU "
+                  f"({tokens_per_step / cpu:.0f} tokens per CPU second), loss {float(loss):.3f}", flush=True)
             if state["step"] >= args.bench:
                 return 0
             continue
