@@ -1184,6 +1184,7 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bias-speed", type=float, default=1e-3, help="router bias step per training step")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward (gradients summed over the batch)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     ap.add_argument("--resume", action="store_true")
@@ -1264,11 +1265,19 @@ def main(argv=None):
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
         x, y = corpus.batch(data_rng, args.batch, args.seq, copy_share_at(step, args.steps) if args.copy_curriculum else 0.0)
         t0, c0 = time.time(), time.process_time()
+        opt.zero_grad(set_to_none=True)
+        loss, loads = 0.0, None
         with low_precision(True):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            # micro-batches of --micro-batch rows, gradients summed: the same step in less memory
+            for i in range(0, args.batch, args.micro_batch):
+                part = F.cross_entropy(model(x[i:i + args.micro_batch]).reshape(-1, VOCAB),
+                                       y[i:i + args.micro_batch].reshape(-1)) * (len(x[i:i + args.micro_batch]) / args.batch)
+                part.backward()
+                loss += float(part)
+                step_loads = [m.load for m in model.moe_layers()]
+                loads = step_loads if loads is None else [a + b for a, b in zip(loads, step_loads)]
+        for m, l in zip(model.moe_layers(), loads):
+            m.load = l                                   # the bias update sees the whole batch's load
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
@@ -1276,12 +1285,13 @@ def main(argv=None):
         dt = time.time() - t0
         state["step"] += 1
         state["seconds"] = time.time() - t_start
-        bpb = float(loss) / math.log(2) / bytes_per_token
+        bpb = loss / math.log(2) / bytes_per_token
         smooth = bpb if smooth is None else 0.98 * smooth + 0.02 * bpb
         if args.bench:
             cpu = time.process_time() - c0
             print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, {cpu:.3f} s CPU "
-                  f"({tokens_per_step / cpu:.0f} tokens per CPU second), loss {float(loss):.3f}", flush=True)
+                  f"({tokens_per_step / cpu:.0f} tokens per CPU second), loss {loss:.3f}, "
+                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB", flush=True)
             if state["step"] >= args.bench:
                 return 0
             continue
@@ -1290,7 +1300,7 @@ def main(argv=None):
         if state["step"] % 50 == 0:
             loads = [m.load.float() for m in model.moe_layers()]
             imbalance = max(float(l.max() / l.mean()) for l in loads)
-            line = (f"step {state['step']}/{args.steps} {'QAT ' if qat else ''}loss {float(loss):.3f} "
+            line = (f"step {state['step']}/{args.steps} {'QAT ' if qat else ''}loss {loss:.3f} "
                     f"(~{smooth:.3f} bits/byte) lr {opt.param_groups[0]['lr']:.2e} {tokens_per_step / dt:.0f} tok/s "
                     f"max/mean expert load {imbalance:.2f} elapsed {state['seconds'] / 60:.1f} min")
             print(line, flush=True)
