@@ -61,7 +61,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 little-k3-measure test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 little-k3-measure train-deps test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -80,6 +80,16 @@ deps:
 	  echo "deps: installing curl jq (tests/serve.sh)"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq curl jq; \
+	fi
+
+# train-deps: what the little K3's training needs beyond deps: Debian's python3-torch and numpy, and
+# OpenBLAS (python3-torch links libblas.so.3, which is the slow reference BLAS unless an OpenBLAS package
+# provides it), npm (corpus packages) and dpkg-dev's apt-get download (Debian corpus packages).
+train-deps:
+	@if ! /usr/bin/python3 -c "import torch, numpy" >/dev/null 2>&1 || ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
+	  echo "train-deps: installing python3-torch python3-numpy libopenblas0-pthread npm"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-torch python3-numpy libopenblas0-pthread npm; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
@@ -324,10 +334,10 @@ fixtures:
 LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --eval-every 250 --threads 1
 LITTLE_WORK ?= build/little-k3-train
 LITTLE_EXTRA ?=
-little-k3:
+little-k3: train-deps
 	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work $(LITTLE_WORK) --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS) $(LITTLE_EXTRA)
 
-little-k3-measure:
+little-k3-measure: train-deps
 	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-measure --out fixtures/little-k3 --threads 1 --measure fixtures/little-k3
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
@@ -337,7 +347,7 @@ little-k3-measure:
 # then checks that the engine's tokenizer gives both splits back byte for byte. `make fixtures` runs the
 # same generation steps (not the self-test, not the round trip).
 LITTLE_CORPUS := build/little-corpus
-little-data: deps $(CLI)
+little-data: deps train-deps $(CLI)
 	$(PYTHON) tools/little_corpus.py --self-test
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
 	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/bpe.txt --size 4096 --out fixtures/little-k3/tiktoken.model
