@@ -84,7 +84,7 @@ deps:
 
 # train-deps: what the little K3's training needs beyond deps: Debian's python3-torch and numpy, and
 # OpenBLAS (python3-torch links libblas.so.3, which is the slow reference BLAS unless an OpenBLAS package
-# provides it), npm (corpus packages) and dpkg-dev's apt-get download (Debian corpus packages).
+# provides it), and npm (the npm corpus packages; apt-get download fetches the Debian ones).
 train-deps:
 	@if ! /usr/bin/python3 -c "import torch, numpy" >/dev/null 2>&1 || ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
 	  echo "train-deps: installing python3-torch python3-numpy libopenblas0-pthread npm"; \
