@@ -57,7 +57,8 @@ endif
 endif
 
 CHAPTERS  := $(sort $(wildcard chapters/*.hpp))
-HEADERS   := $(CHAPTERS) $(wildcard chapters/*.inc) kimik3.hpp $(wildcard tests/*.hpp)
+# Every binary depends on every header (tests 15.9 and the fuzzers include the CLI's serve_reply.hpp).
+HEADERS   := $(CHAPTERS) $(wildcard chapters/*.inc) kimik3.hpp $(wildcard tests/*.hpp) $(wildcard examples/cli/*.hpp)
 TEST_SRCS := $(sort $(wildcard tests/test_*.cpp))
 TEST_BINS := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRCS))
 EX_SRCS   := $(sort $(wildcard examples/[0-9][0-9]_*.cpp))

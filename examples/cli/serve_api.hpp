@@ -296,8 +296,10 @@ inline ChatRequest chat_request(const std::string& text, const nlohmann::json& b
             refuse("tool_choice", "tool_choice \"required\" needs at least one tool in 'tools' or in a system message's 'tools'", "invalid_value");
     }
     if (const nlohmann::json* rf = field(body, "response_format")) {
-        if (!rf->is_object() || !field(*rf, "type") || !(*rf)["type"].is_string())
+        if (!rf->is_object() || !field(*rf, "type"))
             refuse("response_format", "'response_format' must be an object with a 'type'", "invalid_type");
+        if (!(*rf)["type"].is_string())
+            refuse("response_format.type", "'response_format.type' must be a string, not " + type_name((*rf)["type"]), "invalid_type");
         cr.response_format = (*rf)["type"].get<std::string>();
         if (cr.response_format != "text" && cr.response_format != "json_object" && cr.response_format != "json_schema")
             refuse("response_format.type", "'response_format.type' is \"" + cr.response_format + "\"; it must be text, json_object or json_schema", "invalid_value");
