@@ -60,7 +60,7 @@ int main() {
         Session s(c, T);
         StepRecord rec;  // what every layer chose for every token
         std::vector<float> logits(std::size_t(c.vocab_size));
-        forward(logits.data(), model, s, ids.data(), T, false, &rec);
+        forward(logits.data(), model, s, {ids.data(), T}, {.record = &rec});
 
         std::vector<Kind> kind(T);
         std::size_t count[Kinds] = {};

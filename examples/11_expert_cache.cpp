@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
         const std::size_t V = std::size_t(all.config.vocab_size), all_experts = all.experts()->capacity();
         std::vector<float> want(ids.size() * V), logits(V);
         Session s_all(all.config, ids.size());
-        forward(want.data(), all, s_all, ids.data(), ids.size(), true);
+        forward(want.data(), all, s_all, ids, {.rows = Rows::all});
         ModelOptions o;
         o.plan.expert_slots = live_slots;
         Model model(dir, o);
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
         bool same = true;
         const auto t0 = std::chrono::steady_clock::now();
         for (std::size_t t = 0; t < ids.size(); ++t) {
-            forward(logits.data(), model, s, &ids[t], 1, false);
+            forward(logits.data(), model, s, {&ids[t], 1});
             same = same && std::memcmp(logits.data(), &want[t * V], V * sizeof(float)) == 0;
         }
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
