@@ -7,8 +7,6 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <fstream>
-#include <sstream>
 
 #include "../kimik3.hpp"
 
@@ -111,11 +109,8 @@ int main() {
         Checkpoint ck(dir);
         const ModelTensors m = bind_tensors(ck, c);
         const Tokenizer tok = Tokenizer::load(dir);
-        std::ifstream in(dir + "/heldout-sample.txt");
-        std::stringstream text;
-        text << in.rdbuf();
-        if (!in) fail(ErrorKind::io, dir + "/heldout-sample.txt: cannot read");
-        const std::vector<std::uint32_t> ids = tok.encode_ordinary(text.str());
+        const std::string text = detail::read_text_file(dir + "/heldout-sample.txt");  // held-out English (chapter 14a)
+        const std::vector<std::uint32_t> ids = tok.encode_ordinary(text);
         std::vector<Tensor> keep;
         keep.reserve(64);
         std::deque<std::vector<float>> widened;  // vector tensors as f32 (the engine widens them at load)

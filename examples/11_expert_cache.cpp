@@ -9,8 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "../kimik3.hpp"
@@ -100,11 +98,8 @@ int main(int argc, char** argv) {
     try {
         const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/fixtures/little-k3";
         const Tokenizer tok = Tokenizer::load(dir);
-        std::ifstream in(dir + "/heldout-sample.txt");
-        std::stringstream text;
-        text << in.rdbuf();
-        if (!in) fail(ErrorKind::io, dir + "/heldout-sample.txt: cannot read");
-        const std::vector<std::uint32_t> ids32 = tok.encode_ordinary(text.str());
+        const std::string text = detail::read_text_file(dir + "/heldout-sample.txt");  // held-out English (chapter 14a)
+        const std::vector<std::uint32_t> ids32 = tok.encode_ordinary(text);
         const std::vector<std::int64_t> ids(ids32.begin(), ids32.end());
 
         // Decode the text one token per step (what a cache sees while generating) through a 64-slot LRU
