@@ -384,10 +384,10 @@ fixtures:
 LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --eval-every 250 --threads 1
 LITTLE_WORK ?= build/little-k3-train
 LITTLE_EXTRA ?=
-little-k3: train-deps
+little-k3: deps train-deps
 	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work $(LITTLE_WORK) --out fixtures/little-k3 --resume $(LITTLE_TRAIN_ARGS) $(LITTLE_EXTRA)
 
-little-k3-measure: train-deps
+little-k3-measure: deps train-deps
 	$(PYTHON) tools/train_little_k3.py --data $(LITTLE_CORPUS) --work build/little-k3-measure --out fixtures/little-k3 --threads 1 --measure fixtures/little-k3
 
 # ---- little-data: little-k3's corpus and tokenizer -------------------------------------------------

@@ -205,6 +205,18 @@ class Dims:
 # products gain more. Everything else (norms, softmax, the KDA chunk algebra and its state, the loss,
 # the optimizer, the master weights) stays float32. Evaluation and export run in float32 throughout:
 # `low_precision(False)` is the default, the training loop turns it on.
+# A CPU without AVX512-BF16 (AMD Zen 3, Intel before Cooper Lake) has no such kernels: torch then runs
+# bfloat16 products in a generic loop, several times slower than float32 (a Zen 3 VM managed fewer
+# than 50 steps in 7 CPU-minutes), so there the products stay float32 and the run says so.
+def cpu_has_bf16():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+BF16_PRODUCTS = cpu_has_bf16()
 _LOW_PRECISION = [False]
 
 
@@ -214,7 +226,7 @@ class low_precision:
 
     def __enter__(self):
         self.saved = _LOW_PRECISION[0]
-        _LOW_PRECISION[0] = self.on
+        _LOW_PRECISION[0] = self.on and BF16_PRODUCTS
 
     def __exit__(self, *exc):
         _LOW_PRECISION[0] = self.saved
@@ -1245,7 +1257,8 @@ def main(argv=None):
         state = c["state"]
         print(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
     print(f"little K3: {n_params / 1e6:.2f} M parameters; stream {len(corpus.stream)} tokens; "
-          f"{args.steps} steps of {args.batch} x {args.seq}", flush=True)
+          f"{args.steps} steps of {args.batch} x {args.seq}; matrix products in "
+          f"{'bfloat16 (AVX512-BF16)' if BF16_PRODUCTS else 'float32 (this CPU has no AVX512-BF16)'}", flush=True)
     tokens_per_step = args.batch * args.seq
     bytes_per_token = corpus.train_bytes / corpus.train_plain_tokens
     last_ckpt = time.time()
