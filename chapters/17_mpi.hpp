@@ -32,16 +32,31 @@
 //   56.4 MB per token, of which a rank receives (N - 1) / N. A ring allgather takes N - 1 steps, so the
 //   latency term is 1,320 x (N - 1) x alpha.
 //
-// MEASURED (loopback, one 2-core machine shared with other jobs: ranks oversubscribe the cores, so the
-//   times say what the messages cost, not what N machines would do; little-k3, one token after a
-//   32-token prompt, tests/mpi.sh prints the rows)
-//   see the table in the README section "The model over MPI" (filled by the measured run).
+// MEASURED (loopback, one 2-core machine shared with a training run and a compiler, load average 2-5:
+//   ranks oversubscribe the cores, so the times say what waiting for a descheduled rank costs, not what
+//   N machines would do; little-k3, 16 decode steps after a 24-token prompt, 1 thread per rank, the
+//   difference of --gen 17 and --gen 1 runs of kimik3-mpi with KIMIK3_MPI_STATS=1, divided by 16)
+//   ranks   collectives/token   floats gathered/token   received by rank 0   decode s/token   MPI s/token
+//     1            123              24,264 (97 kB)              0                0.007            0.000
+//     2            123              24,264                 12,204 (49 kB)        0.041            0.017
+//     3            123              24,264                 16,160 (65 kB)        0.008           <0.001
+//     4            123              24,264                 18,216 (73 kB)        0.226            0.230
+//   123 = mpi_traffic(little-k3) exactly (the test checks it). The little K3 computes a token in 7 ms,
+//   so only the messages show here; per-token speed-up needs a model whose reads dominate (the cost model).
 //
-// COST MODEL (mpi_cost below; full K3, N machines of 24 GB, each pinning its 1/N of the 108.8 GB trunk
-//   and caching what else fits of its share of the 1,447 GB of experts; assumed per machine: 20 GB/s
-//   memory, 3 GB/s NVMe; per message alpha = 20 us at 10 GbE, 15 us at 25 GbE, 10 us at 100 GbE)
-//   machines   trunk+experts compute   expert reads   10 GbE comm   s/token 10 GbE   25 GbE   100 GbE
-//   (printed by `kimik3-mpi cost`, copied here)
+// COST MODEL (mpi_cost, `kimik3-mpi cost`: full K3, N machines of 24 GB, each pinning 1/N of the rows of
+//   the 111.2 GB trunk + lm_head and caching what else fits of its 1/N of the 1,446.5 GB of experts;
+//   assumed per machine 20 GB/s memory, 3 GB/s NVMe, 1.5 GB reserved; per message step alpha = 20 us at
+//   10 GbE, 15 us at 25 GbE, 10 us at 100 GbE; seconds per token)
+//   machines  expert hits  trunk  experts  comm (10 GbE)  total 10 GbE  25 GbE  100 GbE
+//       1         0%       5.558   8.610      0.000          14.168     14.168   14.168
+//       2         0%       2.779   4.305      0.049           7.133      7.113    7.099
+//       4         0%       1.390   2.152      0.113           3.655      3.615    3.585
+//       8       4.8%       0.695   1.025      0.224           1.944      1.874    1.816
+//      16      17.2%       0.347   0.446      0.438           1.231      1.107    0.995
+//   (one machine cannot hold the trunk in 24 GB: its row is what the same arithmetic gives.) At 16
+//   machines the 1,320 x 15 message steps cost as much as the reads: fusing the products that share an
+//   input (KDA's q, k, v, g, f_a, b; MoE's router and latent_down) into one gather is the next saving.
 //
 // NUMERICS CONTRACT
 //   Bit-identical logits at every rank count and every thread count per rank (each rank splits its own
