@@ -77,7 +77,7 @@
 //
 // SECTIONS
 //   17.1 the share of a rank   17.2 rows over ranks   17.3 experts over ranks   17.4 faults
-//   17.5 traffic and the cost model
+//   17.5 traffic, each rank's share, and the cost model
 // ====================================================================================================
 #pragma once
 
@@ -299,6 +299,33 @@ inline MpiTraffic mpi_traffic(const Config& c) {
     }
     product(std::uint64_t(c.vocab_size));  // lm_head
     return t;
+}
+
+// What each rank holds of a checkpoint: its rows of every matrix `linear` multiplies by (MLA's kv_b_proj,
+// read by the absorbed form's own kernels, whole on every rank) and the routed experts it owns. This is
+// the share a rank-aware plan would pin; today's engine still plans (and streams) every row (README).
+struct RankShareBytes {
+    std::uint64_t trunk = 0, experts = 0, expert_bytes = 0;
+};
+inline std::vector<RankShareBytes> rank_shares(const ModelTensors& m, int ranks) {
+    std::vector<RankShareBytes> out(static_cast<std::size_t>(ranks));
+    auto matrix = [&](const Checkpoint::Ref* r, bool split) {
+        const std::uint64_t rows = std::uint64_t(r->info->shape[0]), row_bytes = r->info->nbytes() / rows;
+        for (int k = 0; k < ranks; ++k) {
+            const Share sh = split ? rank_share(rows, k, ranks) : Share{0, rows};
+            out[std::size_t(k)].trunk += (sh.end - sh.begin) * row_bytes;
+        }
+    };
+    for (const LayerTensors& lt : m.layers)
+        for (const Checkpoint::Ref* r : lt.all)
+            if (is_streamable_matrix(*r->info)) matrix(r, r != lt.kv_b_proj);
+    matrix(m.lm_head, true);
+    for (std::size_t l = 0; l < m.experts.size(); ++l)
+        for (std::size_t e = 0; e < m.experts[l].size(); ++e) {
+            RankShareBytes& o = out[std::size_t(expert_owner(int(l), int(e), ranks))];
+            o.experts += 1, o.expert_bytes += m.experts[l][e].bytes();
+        }
+    return out;
 }
 
 // What one machine is assumed to have (the defaults: a desktop with dual-channel DDR5 and one NVMe).

@@ -1,6 +1,7 @@
 // kimik3-mpi: kimik3 run over N MPI ranks (chapter 17), and the cost model's table.
 //
 //   mpirun -np N kimik3-mpi run MODEL_DIR ...   kimik3 run's options; every rank computes its share, rank 0 prints
+//   kimik3-mpi plan MODEL_DIR --ranks N          each rank's rows, experts and traffic
 //   kimik3-mpi cost [CONFIG_JSON]               projected seconds per token of a config on 2-16 machines
 //
 // A separate program (make build/g++/kimik3-mpi, built with mpicxx) so that kimik3 itself needs no MPI.
@@ -23,6 +24,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: mpirun -np N kimik3-mpi run MODEL_DIR [kimik3 run's options]\n"
+    "       kimik3-mpi plan MODEL_DIR --ranks N   what each rank computes and holds, and the traffic per token\n"
     "       kimik3-mpi cost [CONFIG_JSON]   (default fixtures/k3-release/config.json)\n"
     "environment: KIMIK3_MPI_STATS=1 makes rank 0 print each rank's messages, floats and MPI seconds\n";
 
@@ -41,6 +43,23 @@ int cost(const std::string& path) {
         std::printf("%8d %8.1f%% %9.3f %9.3f %9.3f %11.3f %11.3f %11.3f\n", n, 100 * k[0].hit, k[0].trunk, k[0].experts, k[0].comm,
                     k[0].total(), k[1].total(), k[2].total());
     }
+    return kExitOk;
+}
+
+int plan(const std::string& dir, int ranks) {
+    if (ranks < 1 || ranks > 4096) throw Usage("--ranks " + std::to_string(ranks) + " is outside 1..4096\n");
+    const Config c = load_config(dir);
+    Checkpoint ck(dir);
+    const ModelTensors m = bind_tensors(ck, c);
+    const std::vector<RankShareBytes> shares = rank_shares(m, ranks);
+    const MpiTraffic t = mpi_traffic(c);
+    std::printf("the split of %s over %d ranks: each computes its rows of every matrix and the experts it owns\n", dir.c_str(), ranks);
+    std::printf("%6s %18s %16s %16s\n", "rank", "matrix rows", "experts owned", "expert bytes");
+    for (int r = 0; r < ranks; ++r)
+        std::printf("%6d %18s %16llu %16s\n", r, human_bytes(double(shares[std::size_t(r)].trunk)).c_str(),
+                    (unsigned long long)shares[std::size_t(r)].experts, human_bytes(double(shares[std::size_t(r)].expert_bytes)).c_str());
+    std::printf("per token: %llu gathers, %.1f kB gathered, a rank receiving %.1f kB of it\n", (unsigned long long)t.collectives,
+                double(t.floats) * 4 / 1e3, double(t.floats) * 4 / 1e3 * (ranks - 1) / ranks);
     return kExitOk;
 }
 
@@ -66,6 +85,17 @@ int main(int argc, char** argv) {
             return cost(args.size() > 1 ? args[1] : std::string(KIMIK3_SOURCE_DIR) + "/fixtures/k3-release/config.json");
         } catch (const std::exception& e) {
             return std::fprintf(stderr, "kimik3-mpi cost: error: %s\n", e.what()), kExitUsage;
+        }
+    }
+    if (args[0] == "plan") {
+        try {
+            const std::string ranks = take_option(args, "--ranks", kUsage);
+            if (args.size() != 2 || ranks.empty()) throw Usage(std::string("plan takes MODEL_DIR and --ranks N\n") + kUsage);
+            return plan(args[1], int(parse_count(ranks, "--ranks", kUsage, 4096)));
+        } catch (const Usage& e) {
+            return std::fprintf(stderr, "kimik3-mpi plan: %s", e.what()), kExitUsage;
+        } catch (const Error& e) {
+            return std::fprintf(stderr, "kimik3-mpi plan: error: %s\n", e.what()), exit_code(e);
         }
     }
     if (args[0] != "run") return std::fprintf(stderr, "kimik3-mpi: unknown command '%s'\n%s", args[0].c_str(), kUsage), kExitUsage;

@@ -82,4 +82,9 @@ expect "a rank killed by a signal ends the job" nonzero "" \
 expect "kimik3-mpi cost: the full K3 on 8 machines of 24 GB over 10 GbE under 2 s per token" 0 "" \
     sh -c "'$mpi_bin' cost | awk '\$1 == 8 && \$6 + 0 < 2 && \$6 + 0 > 0 { ok = 1 } END { exit !ok }'"
 
+expect "kimik3-mpi plan: 3 ranks own the little K3's 8 x 32 experts, 85 or 86 each" 0 "" \
+    sh -c "'$mpi_bin' plan $model --ranks 3 | awk '\$1 ~ /^[0-2]\$/ { n++; s += \$4; if (\$4 < 85 || \$4 > 86) bad = 1 } END { exit !(n == 3 && s == 256 && !bad) }'"
+expect "kimik3-mpi plan without --ranks is refused" 2 "plan takes MODEL_DIR and --ranks N" "$mpi_bin" plan "$model"
+expect "kimik3-mpi plan of a directory without a model names the file" 2 "config.json" "$mpi_bin" plan "$tmp" --ranks 2
+
 echo "kimik3-tests: mpi $pass passed, $fail failed"
