@@ -7,6 +7,7 @@
 #   make test-scalar     the whole suite with every dispatcher forced to the reference path (KIMIK3_SCALAR=1)
 #   make test-aarch64    the chapter tests and example transcripts built for arm64 (NEON) and run under qemu
 #   make test-aarch64-kernels   only the numerics and kernel suites (00, 04, 05) for arm64 under qemu (CI runs it)
+#   make test-mpi        the MPI tests alone (tests/mpi.sh: chapter 17 at 1-4 ranks on localhost; part of make test)
 #   make headers         compile each chapter header on its own (chapter N needs only chapters < N;
 #                        an appendix NNa_topic.hpp too)
 #   make lint            the rules a machine can check: headers <= 600 lines, no #if in a function body,
@@ -115,6 +116,25 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.ht
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $(HTTPLIB) $< -o $@ $(LDFLAGS) -lcpp-httplib -pthread
 
+# ---- kimik3-mpi: the model over MPI ranks (chapter 17) -------------------------------------------
+# Its own program, built with mpicxx (OMPI_CXX/MPICH_CXX make it wrap $(CXX)), so that kimik3 and the
+# rest of the suite need no MPI. Where mpicxx is missing these are not built, and tests/mpi.sh (part of
+# make test) prints SKIPPED and counts 1 skipped. make test-mpi runs only the MPI tests.
+MPICXX   ?= mpicxx
+MPI_CLI  := $(BUILD)/kimik3-mpi
+MPI_TEST := $(BUILD)/tests/mpi_logits
+MPI_BINS := $(if $(shell command -v $(MPICXX) 2>/dev/null),$(MPI_CLI) $(MPI_TEST))
+MPI_CC   := OMPI_CXX=$(CXX) MPICH_CXX=$(CXX) $(MPICXX)
+$(MPI_CLI): examples/kimik3_mpi.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(MPI_CC) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+$(MPI_TEST): tests/mpi_logits.cpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(MPI_CC) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+.PHONY: test-mpi
+test-mpi: deps $(CLI) $(MPI_BINS)
+	@KIMIK3=$(CLI) KIMIK3_MPI_DIR=$(BUILD) tests/run.sh tests/mpi.sh
+
 # ---- run: the README's first command ---------------------------------------------------------------
 # The main job: kimik3 run on the bundled little K3 (trained on English, fixtures/little-k3/TRAINING.md),
 # a short greedy continuation of a sentence at a budget that pins layer 0 and lm_head and streams the
@@ -146,8 +166,8 @@ $(BUILD)/tests/test_%: tests/test_%.cpp $(BUILD)/tests/main.o $(HEADERS) | deps
 
 # test: every chapter's tests, the command-line tests and the fixture freshness check; tests/run.sh
 # prints "N passed, N failed" last.
-test: deps $(TEST_BINS) $(CLI)
-	@KIMIK3=$(CLI) tests/run.sh $(TEST_BINS) tests/cli.sh tests/hostile.sh tests/serve.sh tests/fixtures_fresh.sh
+test: deps $(TEST_BINS) $(CLI) $(MPI_BINS)
+	@KIMIK3=$(CLI) KIMIK3_MPI_DIR=$(BUILD) tests/run.sh $(TEST_BINS) tests/cli.sh tests/hostile.sh tests/serve.sh tests/fixtures_fresh.sh tests/mpi.sh
 
 # test-serve: kimik3 serve's protocol, client and browser tests alone (tests/serve.sh), with node, npm
 # and chromium installed first (a failure to install one makes its check say SKIPPED).
@@ -257,11 +277,11 @@ fuzz: deps fuzz-deps $(FUZZ_BINS)
 
 # ---- headers: each chapter compiles alone ----------------------------------------------------------
 # One stamp per header, so that make -j checks them side by side and again only when a header changed.
-HEADER_OKS := $(patsubst %,$(BUILD)/headers/%.ok,$(CHAPTERS) kimik3.hpp)
+HEADER_OKS := $(patsubst %,$(BUILD)/headers/%.ok,$(if $(MPI_BINS),$(CHAPTERS),$(filter-out chapters/17_mpi.hpp,$(CHAPTERS))) kimik3.hpp)
 headers: deps $(HEADER_OKS)
 $(BUILD)/headers/%.ok: % $(HEADERS) | deps
 	@echo "  header $<"
-	@echo '#include "$<"' | $(CXX) $(CXXFLAGS) -x c++ -fsyntax-only -I. -
+	@echo '#include "$<"' | $(if $(findstring 17_mpi,$<),$(MPI_CC),$(CXX)) $(CXXFLAGS) -x c++ -fsyntax-only -I. -
 	@mkdir -p $(dir $@) && touch $@
 
 # ---- lint: the course's checkable rules ------------------------------------------------------------

@@ -32,3 +32,5 @@
 #include "chapters/15b_tools.hpp"            // APPENDIX to 15: tools, tool choice and response formats as K3's encoder renders them
 #include "chapters/15c_session_file.hpp"     // APPENDIX to 15: sessions on disk, checksummed and tied to the model
 #include "chapters/16_speculative.hpp"       // drafts from the sequence itself, verified in one step, rolled back exactly
+// chapters/17_mpi.hpp (the model over MPI ranks, the same bits) is not included here: it needs mpi.h,
+// so only kimik3-mpi (examples/kimik3_mpi.cpp, built with mpicxx) and its test include it.

@@ -455,9 +455,23 @@ inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size
     w.stream->for_each_chunk(f);
 }
 
+// Rows over processes (chapter 17). With a RowSplit installed, `linear` (and chapter 08's) hands it the
+// product: it computes this process's contiguous rows and copies in the others' (each row's bits are
+// its own, 4.1). None installed, the default: nothing changes.
+using TypedMatmul = void (*)(WeightType, float*, const float*, const void*, std::size_t, std::size_t, std::size_t, std::size_t);
+struct RowSplit {
+    virtual ~RowSplit() = default;
+    virtual void linear(TypedMatmul mm, float* y, const float* x, std::size_t tokens, const MatrixRef& w) = 0;  // y (T, out)
+};
+inline RowSplit*& row_split() {
+    static RowSplit* split = nullptr;
+    return split;
+}
+
 // y = W x for T tokens, wherever W's rows live, whatever their WeightType. The whole chain of a bf16
 // y = W x: linear -> matmul_typed -> the kernel 4.4 chose (e.g. matmul_bf16_avx512) -> its loop.
 inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
+    if (RowSplit* s = row_split(); s && !in_parallel()) return s->linear(use_simd ? matmul_typed_simd : matmul_typed_ref, y, x, tokens, w);
     if (w.data) return matmul_typed(w.type, y, x, w.data, tokens, w.rows, w.cols);
     for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
         matmul_typed(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);

@@ -147,6 +147,7 @@ struct MlaKernels {
 namespace detail {
 // y = W x for T tokens through a kernel table, wherever W's rows live (chapter 04's `linear`).
 inline void mla_linear(const MlaKernels& k, float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
+    if (RowSplit* s = row_split(); s && !in_parallel()) return s->linear(k.matmul, y, x, tokens, w);  // chapter 17
     for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) { k.matmul(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows); });
 }
 }  // namespace detail

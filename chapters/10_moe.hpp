@@ -203,6 +203,18 @@ struct MoeRecord {
     std::vector<float> z, y_lat, y_routed, y_shared;  // (T, L), (T, L), (T, D), (T, D)
 };
 
+// Experts over processes (chapter 17). With an ExpertSplit installed, this process runs only the experts
+// it owns, and `share` copies every other slot's output in from its owner (copies, never a sum).
+struct ExpertSplit {
+    virtual ~ExpertSplit() = default;
+    virtual bool owns(int layer, int expert) const = 0;
+    virtual void share(float* expert_out, const Routing& r, std::size_t width, int layer) = 0;  // expert_out (T, K, width)
+};
+inline ExpertSplit*& expert_split() {
+    static ExpertSplit* split = nullptr;
+    return split;
+}
+
 inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeWeights& w, const MoeDims& d,
                         ExpertProvider& provider, MoeRecord* record = nullptr) {  // y (T, D), x (T, D)
     const std::size_t T = tokens, D = d.hidden, L = d.latent, K = d.k;
@@ -218,7 +230,9 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
     std::map<int, std::vector<std::size_t>> users;  // expert id -> (t * K + slot), in token order
     for (std::size_t i = 0; i < T * K; ++i) users[r.ids[i]].push_back(i);
     std::vector<int> unique;
-    for (const auto& [e, u] : users) unique.push_back(e);  // ascending ids
+    ExpertSplit* split = expert_split();
+    for (const auto& [e, u] : users)
+        if (!split || split->owns(d.layer, e)) unique.push_back(e);  // ascending ids
     provider.slot_uses += T * K;
     provider.experts_requested += unique.size();
     std::vector<float> expert_out(T * K * L);               // (T, K, L)
@@ -240,6 +254,7 @@ inline void moe_forward(float* y, const float* x, std::size_t tokens, const MoeW
             for (std::size_t i = 0; i < u.size(); ++i) std::copy_n(&zout[i * L], L, &expert_out[u[i] * L]);
         }
     }
+    if (split) split->share(expert_out.data(), r, L, d.layer);
     // 6: combine in slot order
     std::vector<float> y_lat(T * L, 0.0f);  // (T, L)
     for (std::size_t t = 0; t < T; ++t)

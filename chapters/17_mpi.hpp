@@ -1,0 +1,366 @@
+// kimik3 chapter 17: the model over MPI -- N processes (one per machine), the same bits as one.
+// ====================================================================================================
+//
+// WHAT THIS CHAPTER TEACHES
+//   How to spread one token's work over N ranks so that every rank count gives the single process's
+//   logits bit for bit, and each token gets faster as ranks are added. The rule is chapter 00's rule
+//   for threads, one level up: ranks split OUTPUTS, never a sum.
+//     trunk    every matrix product y = W x (chapter 04's `linear`, chapter 08's) is split by contiguous
+//              output rows: rank r computes rows [R r / N, R (r+1) / N) of W (uneven splits included, a
+//              rank may get none), then one MPI_Allgatherv copies every rank's rows to every rank. A row's
+//              dot product is computed whole on one rank, by the same kernel, so its bits are those of
+//              the single process; the gather only copies.
+//     experts  each (layer, expert) has one owner, (expert + layer) mod N. A rank runs only the routed
+//              experts it owns, over every token that chose them; one MPI_Allgatherv per MoE layer copies
+//              each slot's (T, K, L) output from its owner, and every rank then combines the K slots in
+//              slot order exactly as chapter 10 does (the combine is the only sum, and it is never split).
+//   Everything else (norms, AttnRes, the KDA recurrence, MLA's attention over the cache, the routing)
+//   is small and runs replicated on every rank, on identical inputs, so every rank holds the same state.
+//
+// WHY NOT A LAYER PIPELINE
+//   Giving each rank a block of layers divides memory but not time: a token still visits every layer in
+//   order, so with one sequence only one rank works at a time and a token costs what it costs on one
+//   machine plus N - 1 hops. Splitting each matrix's rows divides the bytes every rank reads per token
+//   (the cost of decoding: memory and disk bandwidth, chapter 12) by N, so per-token time falls with N.
+//   The price is messages: one collective per matrix product instead of one hop per rank.
+//
+// MESSAGES AND BYTES PER TOKEN (counted by `mpi_traffic` below from the config; the test compares the
+//   count with what the split measures)
+//   collectives = KDA layers x 8 + MLA layers x 5 + dense layers x 3 + MoE layers x (3 + 3 shared + 1
+//   expert exchange) + 1 (lm_head); at K3: 69 x 8 + 24 x 5 + 1 x 3 + 92 x 7 + 1 = 1,320 per token.
+//   floats gathered = the sum of every product's output rows (+ K L per MoE layer): 14.1 M at K3 =
+//   56.4 MB per token, of which a rank receives (N - 1) / N. A ring allgather takes N - 1 steps, so the
+//   latency term is 1,320 x (N - 1) x alpha.
+//
+// MEASURED (loopback, one 2-core machine shared with a training run and a compiler, load average 2-5:
+//   ranks oversubscribe the cores, so the times say what waiting for a descheduled rank costs, not what
+//   N machines would do; little-k3, 16 decode steps after a 24-token prompt, 1 thread per rank, the
+//   difference of --gen 17 and --gen 1 runs of kimik3-mpi with KIMIK3_MPI_STATS=1, divided by 16)
+//   ranks   collectives/token   floats gathered/token   received by rank 0   decode s/token   MPI s/token
+//     1            123              24,264 (97 kB)              0                0.007            0.000
+//     2            123              24,264                 12,204 (49 kB)        0.041            0.017
+//     3            123              24,264                 16,160 (65 kB)        0.008           <0.001
+//     4            123              24,264                 18,216 (73 kB)        0.226            0.230
+//   123 = mpi_traffic(little-k3) exactly (the test checks it). The little K3 computes a token in 7 ms,
+//   so only the messages show here; per-token speed-up needs a model whose reads dominate (the cost model).
+//
+// COST MODEL (mpi_cost, `kimik3-mpi cost`: full K3, N machines of 24 GB, each pinning 1/N of the rows of
+//   the 111.2 GB trunk + lm_head and caching what else fits of its 1/N of the 1,446.5 GB of experts;
+//   assumed per machine 20 GB/s memory, 3 GB/s NVMe, 1.5 GB reserved; per message step alpha = 20 us at
+//   10 GbE, 15 us at 25 GbE, 10 us at 100 GbE; seconds per token)
+//   machines  expert hits  trunk  experts  comm (10 GbE)  total 10 GbE  25 GbE  100 GbE
+//       1         0%       5.558   8.610      0.000          14.168     14.168   14.168
+//       2         0%       2.779   4.305      0.049           7.133      7.113    7.099
+//       4         0%       1.390   2.152      0.113           3.655      3.615    3.585
+//       8       4.8%       0.695   1.025      0.224           1.944      1.874    1.816
+//      16      17.2%       0.347   0.446      0.438           1.231      1.107    0.995
+//   (one machine cannot hold the trunk in 24 GB: its row is what the same arithmetic gives.) At 16
+//   machines the 1,320 x 15 message steps cost as much as the reads: fusing the products that share an
+//   input (KDA's q, k, v, g, f_a, b; MoE's router and latent_down) into one gather is the next saving.
+//
+// NUMERICS CONTRACT
+//   Bit-identical logits at every rank count and every thread count per rank (each rank splits its own
+//   rows over its threads, chapter 00). No MPI reduction is used anywhere: MPI_SUM's order is the
+//   library's, not ours (rank 0's sums of test counts are integers).
+//
+// FAULTS
+//   A rank whose model fails to load (a missing shard, a refused budget) or whose step throws prints
+//   "kimik3-mpi: rank R of N: <cause>" and calls MPI_Abort, which ends every rank: non-zero exit, no
+//   collective left waiting. A rank that dies (a signal) is seen by mpirun, which ends the others.
+//
+// SOURCES  Megatron-LM (Shoeybi et al., arXiv:1909.08053): row/column tensor parallelism; GShard
+//          (Lepikhin et al., arXiv:2006.16668): expert parallelism; Thakur, Rabenseifner, Gropp,
+//          "Optimization of collective communication operations in MPICH" (2005): the ring allgather.
+// USES     chapters 04, 08, 10 (the two hooks), 13
+// RUN      mpirun -np 3 build/g++/kimik3-mpi run fixtures/little-k3 --prompt "..." --gen 8
+// TEST     make test (tests/mpi.sh: logits hashes at 1-4 ranks against kimik3; skipped without MPI)
+//
+// SECTIONS
+//   17.1 the share of a rank   17.2 rows over ranks   17.3 experts over ranks   17.4 faults
+//   17.5 traffic, each rank's share, and the cost model
+// ====================================================================================================
+#pragma once
+
+#define OMPI_SKIP_MPICXX 1  // the C API only (Open MPI's C++ bindings are deprecated)
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "13_model.hpp"
+
+namespace kimik3 {
+
+// ---------------------------------------------------------------------------------------------------
+// 17.1 The share of a rank: contiguous, like chapter 00's threads
+// ---------------------------------------------------------------------------------------------------
+struct Share {
+    std::size_t begin = 0, end = 0;
+};
+inline Share rank_share(std::size_t n, int rank, int ranks) {
+    return {n * std::size_t(rank) / std::size_t(ranks), n * std::size_t(rank + 1) / std::size_t(ranks)};
+}
+
+// What the split sent: collectives, floats received by this rank, and seconds spent inside MPI.
+struct MpiStats {
+    std::uint64_t collectives = 0, floats_gathered = 0, floats_received = 0;
+    double seconds = 0;
+};
+
+namespace detail {
+// MPI counts are ints: a gather larger than 2^31 floats would need splitting (K3's largest is 163,840 per token).
+inline int mpi_count(std::size_t n) {
+    if (n > std::size_t(INT32_MAX)) fail(ErrorKind::runtime, "an MPI message of " + std::to_string(n) + " floats (at most 2^31 - 1)");
+    return int(n);
+}
+
+// Every rank sends `mine` (its part, in its order); every rank receives all parts, rank by rank, into `all`.
+inline void allgather_parts(MpiStats& st, const std::vector<float>& mine, const std::vector<int>& counts, std::vector<float>& all) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<int> displs(counts.size(), 0);
+    std::size_t total = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) displs[r] = mpi_count(total), total += std::size_t(counts[r]);
+    all.resize(total);
+    MPI_Allgatherv(mine.data(), int(mine.size()), MPI_FLOAT, all.data(), counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD);
+    st.collectives += 1, st.floats_gathered += total, st.floats_received += total - mine.size();
+    st.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+// 17.2 Rows over ranks: every trunk product, then one allgather of its outputs
+// ---------------------------------------------------------------------------------------------------
+// The rank computes rows [b, e) of y for every token into mine (T, e - b), with the kernel the engine
+// chose (mm), from W resident or streamed; the gather brings every rank's (T, rows) block; y is then
+// filled block by block. Streamed: the rank's chunks are intersected with its rows (the others are
+// still streamed past: a rank-aware stream is 17's open item, see the README).
+class MpiRowSplit : public RowSplit {
+  public:
+    MpiRowSplit(int rank, int ranks) : rank_(rank), ranks_(ranks) {}
+    MpiStats stats;
+
+    void linear(TypedMatmul mm, float* y, const float* x, std::size_t tokens, const MatrixRef& w) override {
+        const Share s = rank_share(w.rows, rank_, ranks_);
+        const std::size_t n = s.end - s.begin;
+        mine_.assign(tokens * n, 0.0f);
+        if (n > 0 && w.data) {
+            mm(w.type, mine_.data(), x, static_cast<const std::byte*>(w.data) + s.begin * w.row_bytes(), tokens, n, w.cols, n);
+        } else if (n > 0) {
+            for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
+                const std::size_t a = std::max(r0, s.begin), b = std::min(r1, s.end);
+                if (a >= b) return;
+                mm(w.type, mine_.data() + (a - s.begin), x, static_cast<const std::byte*>(rows) + (a - r0) * w.row_bytes(), tokens, b - a,
+                   w.cols, n);
+            });
+        }
+        counts_.resize(std::size_t(ranks_));
+        for (int r = 0; r < ranks_; ++r) {
+            const Share o = rank_share(w.rows, r, ranks_);
+            counts_[std::size_t(r)] = detail::mpi_count(tokens * (o.end - o.begin));
+        }
+        detail::allgather_parts(stats, mine_, counts_, all_);
+        std::size_t at = 0;
+        for (int r = 0; r < ranks_; ++r) {  // rank r's block: (T, its rows)
+            const Share o = rank_share(w.rows, r, ranks_);
+            const std::size_t m = o.end - o.begin;
+            for (std::size_t t = 0; t < tokens; ++t) std::copy_n(&all_[at + t * m], m, y + t * w.rows + o.begin);
+            at += tokens * m;
+        }
+    }
+
+  private:
+    int rank_, ranks_;
+    std::vector<float> mine_, all_;
+    std::vector<int> counts_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 17.3 Experts over ranks: one owner per (layer, expert), outputs copied to every rank in slot order
+// ---------------------------------------------------------------------------------------------------
+// Each rank knows every slot's expert (the routing is replicated), so each knows, for every rank, which
+// slots that rank fills and in what order (ascending slot index): the gather needs no index exchange.
+inline int expert_owner(int layer, int expert, int ranks) { return (expert + layer) % ranks; }
+
+class MpiExpertSplit : public ExpertSplit {
+  public:
+    MpiExpertSplit(int rank, int ranks) : rank_(rank), ranks_(ranks) {}
+    MpiStats stats;
+
+    bool owns(int layer, int expert) const override { return expert_owner(layer, expert, ranks_) == rank_; }
+
+    void share(float* expert_out, const Routing& r, std::size_t width, int layer) override {
+        const std::size_t slots = r.ids.size();
+        mine_.clear();
+        counts_.assign(std::size_t(ranks_), 0);
+        for (std::size_t i = 0; i < slots; ++i) {
+            const int o = expert_owner(layer, r.ids[i], ranks_);
+            counts_[std::size_t(o)] += detail::mpi_count(width);
+            if (o == rank_) mine_.insert(mine_.end(), expert_out + i * width, expert_out + (i + 1) * width);
+        }
+        detail::allgather_parts(stats, mine_, counts_, all_);
+        std::vector<std::size_t> at(std::size_t(ranks_), 0);
+        for (int q = 1; q < ranks_; ++q) at[std::size_t(q)] = at[std::size_t(q - 1)] + std::size_t(counts_[std::size_t(q - 1)]);
+        for (std::size_t i = 0; i < slots; ++i) {
+            const std::size_t o = std::size_t(expert_owner(layer, r.ids[i], ranks_));
+            std::copy_n(&all_[at[o]], width, expert_out + i * width);
+            at[o] += width;
+        }
+    }
+
+  private:
+    int rank_, ranks_;
+    std::vector<float> mine_, all_;
+    std::vector<int> counts_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 17.4 The job: MPI up, the splits installed, faults ending every rank
+// ---------------------------------------------------------------------------------------------------
+// One per process, made first in main. Every MPI call is made by the calling thread (the compute team's
+// workers never call MPI: the hooks run outside a team job), so MPI_THREAD_FUNNELED is enough.
+class MpiJob {
+  public:
+    MpiJob(int* argc, char*** argv) {
+        int provided = 0;
+        MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+        MPI_Comm_size(MPI_COMM_WORLD, &ranks_);
+        rows_ = std::make_unique<MpiRowSplit>(rank_, ranks_);
+        experts_ = std::make_unique<MpiExpertSplit>(rank_, ranks_);
+        row_split() = rows_.get();
+        expert_split() = experts_.get();
+    }
+    ~MpiJob() {
+        row_split() = nullptr, expert_split() = nullptr;
+        MPI_Finalize();
+    }
+    MpiJob(const MpiJob&) = delete;
+    MpiJob& operator=(const MpiJob&) = delete;
+
+    int rank() const { return rank_; }
+    int ranks() const { return ranks_; }
+    MpiStats stats() const {
+        MpiStats s = rows_->stats;
+        const MpiStats& e = experts_->stats;
+        s.collectives += e.collectives, s.floats_gathered += e.floats_gathered, s.floats_received += e.floats_received, s.seconds += e.seconds;
+        return s;
+    }
+
+    // Where a fault's line goes when this rank's stderr is silenced (ranks other than 0 print nothing else).
+    void keep_stderr(int fd) { err_fd_ = fd; }
+
+    // Ends every rank at once: the cause on stderr, named by rank, then MPI_Abort (never returns).
+    [[noreturn]] void abort(const std::string& cause, int code) const {
+        std::string line = "kimik3-mpi: rank " + std::to_string(rank_) + " of " + std::to_string(ranks_) + ": " + cause;
+        if (line.back() != '\n') line += '\n';
+        std::fflush(stderr);
+        (void)!::write(err_fd_, line.data(), line.size());
+        MPI_Abort(MPI_COMM_WORLD, code == 0 ? 1 : code);
+        std::_Exit(code == 0 ? 1 : code);
+    }
+
+  private:
+    int rank_ = 0, ranks_ = 1, err_fd_ = 2;
+    std::unique_ptr<MpiRowSplit> rows_;
+    std::unique_ptr<MpiExpertSplit> experts_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// 17.5 Traffic per token from the config, and the cost model
+// ---------------------------------------------------------------------------------------------------
+struct MpiTraffic {
+    std::uint64_t collectives = 0, floats = 0;  // per token (one decode step)
+};
+
+inline MpiTraffic mpi_traffic(const Config& c) {
+    MpiTraffic t;
+    auto product = [&](std::uint64_t rows) { t.collectives += 1, t.floats += rows; };
+    const std::uint64_t D = std::uint64_t(c.hidden_size), P = std::uint64_t(c.kda_width()), H = std::uint64_t(c.num_attention_heads);
+    for (const LayerPlan& l : c.layers) {
+        if (l.attn == AttnKind::KDA) {
+            for (std::uint64_t rows : {P, P, P, P, std::uint64_t(c.kda_head_dim), P, std::uint64_t(c.kda_num_heads), D}) product(rows);
+        } else {
+            for (std::uint64_t rows : {std::uint64_t(c.q_lora_rank), H * std::uint64_t(c.mla_qk_head_dim()), std::uint64_t(c.mla_cache_width()),
+                                       H * std::uint64_t(c.v_head_dim), D})
+                product(rows);
+        }
+        if (l.ffn == FfnKind::Dense) {
+            for (std::uint64_t rows : {std::uint64_t(c.intermediate_size), std::uint64_t(c.intermediate_size), D}) product(rows);
+        } else {
+            for (std::uint64_t rows : {std::uint64_t(c.num_experts), std::uint64_t(c.routed_expert_hidden_size), D}) product(rows);
+            if (c.num_shared_experts > 0)
+                for (std::uint64_t rows : {std::uint64_t(c.shared_width()), std::uint64_t(c.shared_width()), D}) product(rows);
+            product(std::uint64_t(c.num_experts_per_token) * std::uint64_t(c.routed_expert_hidden_size));  // the expert exchange
+        }
+    }
+    product(std::uint64_t(c.vocab_size));  // lm_head
+    return t;
+}
+
+// What each rank holds of a checkpoint: its rows of every matrix `linear` multiplies by (MLA's kv_b_proj,
+// read by the absorbed form's own kernels, whole on every rank) and the routed experts it owns. This is
+// the share a rank-aware plan would pin; today's engine still plans (and streams) every row (README).
+struct RankShareBytes {
+    std::uint64_t trunk = 0, experts = 0, expert_bytes = 0;
+};
+inline std::vector<RankShareBytes> rank_shares(const ModelTensors& m, int ranks) {
+    std::vector<RankShareBytes> out(static_cast<std::size_t>(ranks));
+    auto matrix = [&](const Checkpoint::Ref* r, bool split) {
+        const std::uint64_t rows = std::uint64_t(r->info->shape[0]), row_bytes = r->info->nbytes() / rows;
+        for (int k = 0; k < ranks; ++k) {
+            const Share sh = split ? rank_share(rows, k, ranks) : Share{0, rows};
+            out[std::size_t(k)].trunk += (sh.end - sh.begin) * row_bytes;
+        }
+    };
+    for (const LayerTensors& lt : m.layers)
+        for (const Checkpoint::Ref* r : lt.all)
+            if (is_streamable_matrix(*r->info)) matrix(r, r != lt.kv_b_proj);
+    matrix(m.lm_head, true);
+    for (std::size_t l = 0; l < m.experts.size(); ++l)
+        for (std::size_t e = 0; e < m.experts[l].size(); ++e) {
+            RankShareBytes& o = out[std::size_t(expert_owner(int(l), int(e), ranks))];
+            o.experts += 1, o.expert_bytes += m.experts[l][e].bytes();
+        }
+    return out;
+}
+
+// What one machine is assumed to have (the defaults: a desktop with dual-channel DDR5 and one NVMe).
+struct Machine {
+    double memory_bytes = 24e9, memory_bw = 20e9, disk_bw = 3e9, reserved = 1.5e9;  // reserved: state, activations, OS
+};
+struct Link {
+    const char* name;
+    double bits_per_s, alpha;  // alpha: seconds per message step
+};
+inline constexpr Link kLinks[] = {{"10 GbE", 10e9, 20e-6}, {"25 GbE", 25e9, 15e-6}, {"100 GbE", 100e9, 10e-6}};
+
+struct MpiCost {
+    double trunk = 0, experts = 0, comm = 0, hit = 0;  // seconds per token; hit: routed experts served from memory
+    double total() const { return trunk + experts + comm; }
+};
+
+// Per token on n machines, each holding 1/n of every trunk matrix's rows pinned (trunk_bytes: what a token
+// reads, so lm_head but not the embedding: one row of it, from disk) and owning 1/n of the routed experts,
+// of which what its free memory holds is cached. Uniform routing is assumed (the LRU hit rate is then the
+// cached fraction; real routing is skewed, so this is the pessimistic end). A layer's expert reads
+// overlap its expert compute (chapter 10 reads group g + 1 while group g computes) but nothing else:
+// the routing is known only after the attention. Messages: a ring allgather per collective, (n - 1)
+// alpha, plus the bytes a rank receives; not overlapped with anything.
+inline MpiCost mpi_cost(const Config& c, double trunk_bytes, double expert_bytes, int n, const Machine& m, const Link& link) {
+    const double E = double(c.num_experts) * double(c.moe_layer_count());
+    const double per_token = expert_bytes / E * double(c.num_experts_per_token) * double(c.moe_layer_count());
+    const double free = std::max(0.0, m.memory_bytes - m.reserved - trunk_bytes / n);
+    MpiCost k;
+    k.hit = std::min(1.0, free / (expert_bytes / n));
+    k.trunk = trunk_bytes / n / m.memory_bw;
+    k.experts = std::max(per_token / n / m.memory_bw, per_token * (1 - k.hit) / n / m.disk_bw);
+    const MpiTraffic t = mpi_traffic(c);
+    k.comm = double(t.collectives) * (n - 1) * link.alpha + double(t.floats) * 4 * (n - 1) / n / (link.bits_per_s / 8);
+    return k;
+}
+
+}  // namespace kimik3
