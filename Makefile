@@ -18,6 +18,7 @@
 #   make bench-serve     kimik3 serve against kimik3 run, and what state reuse saves (needs node)
 #   make test-serve      kimik3 serve's tests alone (protocol with curl, the openai client, chromium)
 #   make bench-speculate what speculative decoding buys (chapter 16): rollback costs, plain vs speculative
+#   make bench-batch     continuous batching (appendix 13a): 1, 2, 4, 8 users at the floor, tokens/s and bytes per token
 #   make benches         build the benchmark programs without running them (CI does)
 #   make debug           the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make debug-cli       the command-line tests (tests/cli.sh, tests/hostile.sh) on a sanitizer build of kimik3
@@ -69,7 +70,7 @@ CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-speculate-k3 benches chat little-k3 little-k3-measure train-deps test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
+.PHONY: all run run-examples bench-k3 bench-serve bench-speculate bench-batch bench-speculate-k3 benches chat little-k3 little-k3-measure train-deps test test-serve test-scalar headers examples check-examples bench debug debug-cli fuzz fuzz-deps fixtures little-data deps clean
 
 # ---- deps: the Debian packages ----------------------------------------------------------------------
 # Installs doctest, xsimd, nlohmann/json and cpp-httplib (kimik3 serve) with apt-get when one of their
@@ -329,7 +330,7 @@ $(BUILD)/kimik3-bench-k3: bench/bench_k3.cpp bench/timing.hpp $(HEADERS) | deps
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 
 # benches: build the benchmark programs without running them (CI: a bench that no longer compiles is caught)
-benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3 $(BUILD)/kimik3-bench-speculate
+benches: deps $(BENCH) $(BUILD)/kimik3-bench-k3 $(BUILD)/kimik3-bench-speculate $(BUILD)/kimik3-bench-batch
 
 bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 	$(BUILD)/kimik3-bench-k3 --kimik3 $(CLI) --dir $(K3_SHAPED) $(BENCH_K3_ARGS)
@@ -339,6 +340,17 @@ bench-k3: deps $(CLI) $(BUILD)/kimik3-bench-k3
 SERVE_MODEL ?= fixtures/tiny-k3
 bench-serve: deps $(CLI)
 	node bench/serve_bench.mjs $(CLI) $(SERVE_MODEL) $(BENCH_SERVE_ARGS)
+
+# bench-batch: appendix 13a measured on BATCH_MODEL at its floor budget: aggregate tokens/s, time per step and
+# bytes read per generated token at 1, 2, 4, 8 concurrent users, every reply checked against the same
+# request alone (exit 1 if one differs). BENCH_BATCH_ARGS e.g. --gen 64 --reps 3; BATCH_MODEL=$(K3_SHAPED).
+BATCH_MODEL ?= fixtures/little-k3
+BENCH_BATCH_ARGS ?= --gen 32
+$(BUILD)/kimik3-bench-batch: bench/bench_batch.cpp bench/timing.hpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+bench-batch: deps $(BUILD)/kimik3-bench-batch
+	$(BUILD)/kimik3-bench-batch $(BATCH_MODEL) $(BENCH_BATCH_ARGS)
 
 # bench-speculate: chapter 16 measured. The two KDA rollback strategies at the tiny K3's and K3's sizes, then
 # one token per step against speculation, side by side, over the prompt sets in bench/prompts (repetitive

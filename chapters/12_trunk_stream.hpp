@@ -106,6 +106,7 @@ struct PlanOptions {
     int readers = 0;                         // I/O threads it starts besides the ring's (expert reads, read-ahead)
     std::uint64_t kept_logits = 0;           // rows of V logits the caller keeps (teacher forcing, --dump-logits)
     std::uint64_t trace_positions = 0;       // positions whose expert requests the cache's trace will hold
+    std::uint64_t sessions = 1;              // conversations stepped together (appendix 13a): each its own state and cache
 };
 
 // What a run adds to a measured baseline outside the plan's other lines: code first run after planning
@@ -121,7 +122,7 @@ struct Plan {
     std::uint64_t chunk_bytes = 0;
     int ring_slots = 0;
     std::size_t expert_slots = 0;
-    std::uint64_t context = 0;
+    std::uint64_t context = 0, sessions = 1;  // sessions: conversations, each with its carried state and MLA cache
     // accounting (bytes)
     std::uint64_t state_bytes = 0, kv_bytes = 0, small_bytes = 0, work_bytes = 0, overhead_bytes = 0;
     std::uint64_t ring_bytes = 0, expert_bytes = 0, pinned_bytes = 0, embed_bytes = 0;
@@ -199,7 +200,7 @@ inline UnitBytes unit_bytes(const ModelTensors& m) {
 inline std::string plan_error_floor(const Plan& p) {
     return "budget " + human_bytes(double(p.budget)) + " (" + std::to_string(p.budget) + " bytes) is below the floor of " +
            human_bytes(double(p.floor)) + " (" + std::to_string(p.floor) + " bytes) for this model at a " +
-           std::to_string(p.context) + "-token context";
+           std::to_string(p.context) + "-token context" + (p.sessions > 1 ? " and " + std::to_string(p.sessions) + " conversations" : "");
 }
 
 // Decides the plan. Order of priorities, each justified by a measurement (this project's, or kimi-k3-in-c's
@@ -212,16 +213,16 @@ inline std::string plan_error_floor(const Plan& p) {
 inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o, const UnitBytes& u) {
     Plan p;
     p.budget = budget;
-    p.context = o.context;
+    p.context = o.context, p.sessions = std::max<std::uint64_t>(1, o.sessions);
     p.pinned.assign(std::size_t(c.num_hidden_layers), false);
-    p.state_bytes = s.kda_state_bytes;
-    p.kv_bytes = s.mla_cache_bytes_per_token * o.context;
+    p.state_bytes = s.kda_state_bytes * p.sessions;
+    p.kv_bytes = s.mla_cache_bytes_per_token * o.context * p.sessions;
     for (std::uint64_t b : u.layer_small) p.small_bytes += b;
     p.small_bytes += 3 * std::uint64_t(c.hidden_size) * 4;  // model.norm and the output AttnRes pair, widened to f32
     // work buffers of one decode step: activations and projections (a few widths of D, P, I, V)
     const std::uint64_t widest = std::max({std::uint64_t(c.intermediate_size), std::uint64_t(c.kda_width()) * 4,
                                            std::uint64_t(c.vocab_size), std::uint64_t(c.num_attention_heads) * c.kv_lora_rank});
-    p.work_bytes = (16 * std::uint64_t(c.hidden_size) + 4 * widest) * 4 + 2 * 4096;
+    p.work_bytes = (16 * std::uint64_t(c.hidden_size) + 4 * widest) * 4 * p.sessions + 2 * 4096;  // a row per conversation
     // what the run keeps as it goes, when the caller says: the logits it keeps, and the expert trace the
     // cache records (chapter 11: 8 bytes per request, k per MoE layer and position; twice, for a vector's growth)
     p.work_bytes += o.kept_logits * std::uint64_t(c.vocab_size) * 4 +

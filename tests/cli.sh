@@ -166,6 +166,9 @@ if [ -z "$KIMIK3_SANITIZED" ]; then
     done
 fi
 expect "plan: below the floor exits 3" 3 "below the floor of" "$bin" plan --config fixtures/k3-release/config.json --budget 500M
+expect "plan: --max-batch 8 plans eight carried states and caches" 0 "batch: +8 conversations, carried state 46[0-9.]+ MB \+ MLA cache" "$bin" plan --config fixtures/k3-release/config.json --preset laptop --max-batch 8
+expect "plan: --max-batch below its floor exits 3 with the per-conversation sizes" 3 "and 8 conversations \(carried state" "$bin" plan --config fixtures/k3-release/config.json --budget 2G --max-batch 8
+expect "plan: --max-batch 0 is refused" 2 "at least 1 conversation" "$bin" plan --config fixtures/k3-release/config.json --preset laptop --max-batch 0
 expect "plan: needs a budget" 2 "one of --budget or --preset" "$bin" plan fixtures/tiny-k3
 
 # ---- tokenize, detokenize, chat -------------------------------------------------------------------------

@@ -82,6 +82,21 @@ TEST_CASE("12.2 the real K3's floor is under 2 GB at a 4k context; budgets below
     CHECK(laptop.expert_slots >= 2);  // the trunk gets the memory first; experts stream two at a time
 }
 
+TEST_CASE("12.2 a batch of N conversations is planned: N carried states, N MLA caches, N rows of work buffers") {
+    const Config c = load_config(test::source_path("fixtures/k3-release/config.json"));
+    const Census s = config_census(c);
+    const Plan one = make_plan(c, s, 0, PlanOptions{});
+    PlanOptions o;
+    o.sessions = 8;
+    const Plan eight = make_plan(c, s, 0, o);
+    CHECK(eight.sessions == 8);
+    CHECK(eight.state_bytes == 8 * one.state_bytes);  // 465 MB of KDA state per conversation at K3
+    CHECK(eight.kv_bytes == 8 * one.kv_bytes);        // 55 kB per position per conversation
+    CHECK(eight.floor >= one.floor + 7 * (one.state_bytes + one.kv_bytes));
+    CHECK(plan_error_floor(eight).find("and 8 conversations") != std::string::npos);
+    CHECK(make_plan(c, s, one.floor, o).floor > one.floor);  // the one-conversation floor does not hold eight
+}
+
 TEST_CASE("12.2 a ring slot is never larger than the largest matrix, so a small model's floor is below all-resident") {
     // The tiny K3's largest matrix is well under 4 MiB: a 4 MiB chunk would be memory no read can use,
     // and the floor (3 such slots) would exceed the plan that keeps everything resident.

@@ -6,7 +6,7 @@
 namespace kimik3::cli {
 
 inline const char* kPlanUsage =
-    "usage: kimik3 plan (MODEL_DIR | --config CONFIG.json) (--budget SIZE | --preset NAME) [--context N]\n"
+    "usage: kimik3 plan (MODEL_DIR | --config CONFIG.json) (--budget SIZE | --preset NAME) [--context N] [--max-batch N]\n"
     "\n"
     "Prints the memory plan for a model at a budget without running it: what stays resident (carried state,\n"
     "latent KV cache, small tensors, pinned layers), how the rest streams (ring slots, chunk size, expert\n"
@@ -14,12 +14,14 @@ inline const char* kPlanUsage =
     "e.g. the real 93-layer K3: kimik3 plan --config fixtures/k3-release/config.json --preset laptop.\n"
     "A budget below the floor is refused (exit code 3) with the floor in the message; --budget floor asks\n"
     "for exactly the floor.\n"
-    "  --context N    positions of latent KV cache to plan for (default 4096)\n";
+    "  --context N    positions of latent KV cache to plan for (default 4096)\n"
+    "  --max-batch N  conversations stepped together, each with its own carried state and MLA cache (default 1)\n";
 
 inline int cmd_plan(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kPlanUsage, stdout), kExitOk;
     const std::string config_path = take_option(args, "--config", kPlanUsage), budget = take_option(args, "--budget", kPlanUsage),
-                      preset = take_option(args, "--preset", kPlanUsage), context = take_option(args, "--context", kPlanUsage);
+                      preset = take_option(args, "--preset", kPlanUsage), context = take_option(args, "--context", kPlanUsage),
+                      batch = take_option(args, "--max-batch", kPlanUsage);
     if ((config_path.empty() ? args.size() != 1 : !args.empty()) || (!budget.empty() + !preset.empty()) != 1)
         throw Usage(std::string("plan takes MODEL_DIR or --config, and one of --budget or --preset\n\n") + kPlanUsage);
     const Config c = load_config(config_path.empty() ? args[0] : config_path);
@@ -32,9 +34,14 @@ inline int cmd_plan(std::vector<std::string> args) {
     }
     PlanOptions o;
     if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kPlanUsage, kMaxPositions));
+    if (!batch.empty()) o.sessions = std::uint64_t(parse_count(batch, "--max-batch", kPlanUsage, 4096));
+    if (o.sessions == 0) throw Usage(std::string("--max-batch: at least 1 conversation\n\n") + kPlanUsage);
     const Plan p = make_plan(c, s, budget_bytes(budget, preset, kPlanUsage), o);
-    if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p));
+    const std::string each = "carried state " + human_bytes(double(s.kda_state_bytes)) + " + MLA cache " +
+                             human_bytes(double(s.mla_cache_bytes_per_token * o.context)) + " per conversation";
+    if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p) + " (" + each + ")");
     std::printf("%s", describe_plan(p, c).c_str());
+    if (o.sessions > 1) std::printf("  batch:    %llu conversations, %s\n", (unsigned long long)o.sessions, each.c_str());
     return kExitOk;
 }
 
