@@ -106,14 +106,13 @@ struct PlanOptions {
     int readers = 0;                         // I/O threads it starts besides the ring's (expert reads, read-ahead)
     std::uint64_t kept_logits = 0;           // rows of V logits the caller keeps (teacher forcing, --dump-logits)
     std::uint64_t trace_positions = 0;       // positions whose expert requests the cache's trace will hold
-    std::uint64_t sessions = 1;              // conversations stepped together (appendix 13a): each its own state and cache
+    std::uint64_t sessions = 1;              // conversations stepped together (appendix 13a), each its own state and cache
 };
 
 // What a run adds to a measured baseline outside the plan's other lines: code first run after planning
 // and per-step heap (0.3-0.4 MB and 0.2-0.6 MB measured), and per thread its stack and heap arena (a
 // compute worker measured 0.15 MB, an I/O thread under 30 kB).
-inline constexpr std::uint64_t kRunReserve = 1ull << 20;
-inline constexpr std::uint64_t kWorkerReserve = 192ull << 10, kReaderReserve = 32ull << 10;
+inline constexpr std::uint64_t kRunReserve = 1ull << 20, kWorkerReserve = 192ull << 10, kReaderReserve = 32ull << 10;
 
 struct Plan {
     std::uint64_t budget = 0, floor = 0;
