@@ -64,7 +64,10 @@ CHAPTERS  := $(sort $(wildcard chapters/*.hpp))
 HEADERS   := $(CHAPTERS) $(wildcard chapters/*.inc) kimik3.hpp $(wildcard tests/*.hpp) $(wildcard examples/cli/*.hpp)
 TEST_SRCS := $(sort $(wildcard tests/test_*.cpp))
 TEST_BINS := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRCS))
-EX_SRCS   := $(sort $(wildcard examples/[0-9][0-9]_*.cpp))
+MPICXX    ?= mpicxx
+HAVE_MPI  := $(shell command -v $(MPICXX) 2>/dev/null)
+# Example 17 (chapter 17, MPI) is built with mpicxx, and only where there is one.
+EX_SRCS   := $(filter-out $(if $(HAVE_MPI),,examples/17_mpi.cpp),$(sort $(wildcard examples/[0-9][0-9]_*.cpp)))
 EX_BINS   := $(patsubst examples/%.cpp,$(BUILD)/examples/%,$(EX_SRCS))
 CLI       := $(BUILD)/kimik3
 BENCH     := $(BUILD)/kimik3-bench
@@ -127,15 +130,17 @@ $(CLI): examples/kimik3.cpp $(wildcard examples/cli/*.hpp) examples/web/index.ht
 # Its own program, built with mpicxx (OMPI_CXX/MPICH_CXX make it wrap $(CXX)), so that kimik3 and the
 # rest of the suite need no MPI. Where mpicxx is missing these are not built, and tests/mpi.sh (part of
 # make test) prints SKIPPED and counts 1 skipped. make test-mpi runs only the MPI tests.
-MPICXX   ?= mpicxx
 MPI_CLI  := $(BUILD)/kimik3-mpi
 MPI_TEST := $(BUILD)/tests/mpi_logits
-MPI_BINS := $(if $(shell command -v $(MPICXX) 2>/dev/null),$(MPI_CLI) $(MPI_TEST))
+MPI_BINS := $(if $(HAVE_MPI),$(MPI_CLI) $(MPI_TEST) $(BUILD)/examples/17_mpi)
 MPI_CC   := OMPI_CXX=$(CXX) MPICH_CXX=$(CXX) $(MPICXX)
 $(MPI_CLI): examples/kimik3_mpi.cpp $(wildcard examples/cli/*.hpp) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(MPI_CC) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 $(MPI_TEST): tests/mpi_logits.cpp $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(MPI_CC) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
+$(BUILD)/examples/17_mpi: examples/17_mpi.cpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(MPI_CC) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 # mpi-bins runs in a make of its own, started after deps, so that it sees an mpicxx deps just installed.

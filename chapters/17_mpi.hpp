@@ -72,7 +72,8 @@
 //          (Lepikhin et al., arXiv:2006.16668): expert parallelism; Thakur, Rabenseifner, Gropp,
 //          "Optimization of collective communication operations in MPICH" (2005): the ring allgather.
 // USES     chapters 04, 08, 10 (the two hooks), 13
-// RUN      mpirun -np 3 build/g++/kimik3-mpi run fixtures/little-k3 --prompt "..." --gen 8
+// RUN      make run-17 (one rank), mpirun -np 3 build/g++/examples/17_mpi (the same transcript), and the
+//          whole CLI: mpirun -np 3 build/g++/kimik3-mpi run fixtures/little-k3 --prompt "..." --gen 8
 // TEST     make test (tests/mpi.sh: logits hashes at 1-4 ranks against kimik3; skipped without MPI)
 //
 // SECTIONS
@@ -361,6 +362,27 @@ inline MpiCost mpi_cost(const Config& c, double trunk_bytes, double expert_bytes
     const MpiTraffic t = mpi_traffic(c);
     k.comm = double(t.collectives) * (n - 1) * link.alpha + double(t.floats) * 4 * (n - 1) / n / (link.bits_per_s / 8);
     return k;
+}
+
+// The cost model's table for a config (`kimik3-mpi cost`, example 17): per token, for 1-16 machines.
+inline std::string describe_cost(const Config& c, const Census& s) {
+    const MpiTraffic t = mpi_traffic(c);
+    const double trunk = double(s.trunk_bytes + s.lm_head_bytes), experts = double(s.expert_bytes_total);
+    char line[200];
+    std::snprintf(line, sizeof line, "%llu collectives and %.1f MB gathered per token; trunk + lm_head %.1f GB, experts %.1f GB\n",
+                  (unsigned long long)t.collectives, double(t.floats) * 4 / 1e6, trunk / 1e9, experts / 1e9);
+    std::string out = line;
+    std::snprintf(line, sizeof line, "%8s %9s %9s %9s %9s %11s %11s %11s\n", "machines", "hit", "trunk", "experts", "comm10", "s/tok 10G",
+                  "s/tok 25G", "s/tok 100G");
+    out += line;
+    for (int n : {1, 2, 4, 8, 16}) {
+        MpiCost k[3];
+        for (int i = 0; i < 3; ++i) k[i] = mpi_cost(c, trunk, experts, n, Machine{}, kLinks[i]);
+        std::snprintf(line, sizeof line, "%8d %8.1f%% %9.3f %9.3f %9.3f %11.3f %11.3f %11.3f\n", n, 100 * k[0].hit, k[0].trunk, k[0].experts,
+                      k[0].comm, k[0].total(), k[1].total(), k[2].total());
+        out += line;
+    }
+    return out;
 }
 
 }  // namespace kimik3

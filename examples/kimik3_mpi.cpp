@@ -30,19 +30,7 @@ constexpr const char* kUsage =
 
 int cost(const std::string& path) {
     const Config c = load_config(path);
-    const Census s = config_census(c);
-    const MpiTraffic t = mpi_traffic(c);
-    std::printf("%s: %llu collectives and %.1f MB gathered per token; trunk + lm_head %.1f GB, experts %.1f GB\n", path.c_str(),
-                (unsigned long long)t.collectives, double(t.floats) * 4 / 1e6, double(s.trunk_bytes + s.lm_head_bytes) / 1e9,
-                double(s.expert_bytes_total) / 1e9);
-    std::printf("%8s %9s %9s %9s %9s %11s %11s %11s\n", "machines", "hit", "trunk", "experts", "comm10", "s/tok 10G", "s/tok 25G", "s/tok 100G");
-    const double trunk = double(s.trunk_bytes + s.lm_head_bytes), experts = double(s.expert_bytes_total);
-    for (int n : {1, 2, 4, 8, 16}) {
-        MpiCost k[3];
-        for (int i = 0; i < 3; ++i) k[i] = mpi_cost(c, trunk, experts, n, Machine{}, kLinks[i]);
-        std::printf("%8d %8.1f%% %9.3f %9.3f %9.3f %11.3f %11.3f %11.3f\n", n, 100 * k[0].hit, k[0].trunk, k[0].experts, k[0].comm,
-                    k[0].total(), k[1].total(), k[2].total());
-    }
+    std::printf("%s: %s", path.c_str(), describe_cost(c, config_census(c)).c_str());
     return kExitOk;
 }
 

@@ -87,4 +87,10 @@ expect "kimik3-mpi plan: 3 ranks own the little K3's 8 x 32 experts, 85 or 86 ea
 expect "kimik3-mpi plan without --ranks is refused" 2 "plan takes MODEL_DIR and --ranks N" "$mpi_bin" plan "$model"
 expect "kimik3-mpi plan of a directory without a model names the file" 2 "config.json" "$mpi_bin" plan "$tmp" --ranks 2
 
+# (4) example 17 prints its transcript at any rank count (make check-examples runs it as one rank)
+if [ -x "$dir/examples/17_mpi" ]; then
+    timeout 300 $mpirun -np 3 "$dir/examples/17_mpi" > "$tmp/ex17.txt" 2>/dev/null
+    same "example 17 at 3 ranks prints its transcript" examples/transcripts/17_mpi.txt "$tmp/ex17.txt"
+fi
+
 echo "kimik3-tests: mpi $pass passed, $fail failed"
