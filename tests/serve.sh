@@ -344,6 +344,16 @@ kill $c1 $c2 2>/dev/null
 wait $c1 $c2 2>/dev/null
 kill "$SPID"
 wait "$SPID" 2>/dev/null
+# a failed weight read in a batch's step: its requests end with an error event, the next is served right
+floor2=$("$bin" plan "$model" --budget 1 --context 128 --max-batch 2 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
+FAIL_READS=1000:1 start batch-fail --context 128 --budget "$floor2" --max-batch 2 --quiet || bad "the failing --max-batch 2 server did not start"
+stream "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
+check "serve --max-batch 2, a failed read: tokens, then an error event naming the read, no [DONE]" \
+    sh -c "grep -q '\"weight_read_failed\"' '$tmp/events' && ! grep -q '^\[DONE\]' '$tmp/events' && [ \$(grep -c '\"token\"' '$tmp/events') -ge 1 ]"
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+check "serve --max-batch 2, a failed read: the next request is served with kimik3 run's ids" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
 # --max-batch past what --budget holds: refused at start (exit 3) with what each conversation takes
 floor1=$("$bin" plan "$model" --budget 1 --context 128 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
 out=$("$bin" serve "$model" --port 0 --context 128 --budget "$floor1" --max-batch 64 2>&1 </dev/null)
