@@ -1224,7 +1224,8 @@ inline int cmd_serve(std::vector<std::string> args) {
                      so.key.empty() ? " (no authentication: give --api-key-file FILE)" : " (with the API key; the traffic is not encrypted)");
     if (so.max_batch > 1)
         std::fprintf(stderr, "kimik3 serve: batch: up to %zu conversations per forward step, each on a session of its own; state reuse: a request "
-                             "takes the free session that holds the longest prefix of its prompt\n", so.max_batch);
+                             "takes the free session that holds the longest prefix of its prompt%s\n", so.max_batch,
+                     so.speculate ? " (under --speculate every request runs alone)" : "");
     else std::fprintf(stderr, "kimik3 serve: state reuse: %s\n",
                  engine.mark_enabled() ? ("the live conversation, and the KDA states at the end of the last prompt (" +
                                           human_bytes(double(engine.mark_bytes())) + ")").c_str()
