@@ -53,6 +53,7 @@
 // ENDPOINTS
 //   POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/ID]   GET /health
 //   GET / (the page)            GET /kimik3/info (the model's shape, for the page)
+//   GET /kimik3/status (the conversations the engine holds, the reads their steps share: the page)
 // ====================================================================================================
 #pragma once
 
@@ -122,11 +123,12 @@ inline const char* kServeUsage =
     "                    its own (planned: N carried states and MLA caches inside --budget, refused with exit\n"
     "                    code 3 when they do not fit). Every reply is the one it gets alone, bit for bit. Requests\n"
     "                    past N wait in the queue; a traced request (the page's) and every request under\n"
-    "                    --speculate run alone, between batches. GET /kimik3/status: the conversations, the reads they share\n"
+    "                    --speculate run alone, between batches\n"
     "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --quiet           no request log on stderr\n"
     "\n"
-    "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET / (the page).\n"
+    "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET / (the page),\n"
+    "GET /kimik3/status (every conversation the engine holds, and the bytes its forward steps read).\n"
     "Request fields: messages (or prompt), stream, stream_options.include_usage, max_tokens (or\n"
     "max_completion_tokens), temperature (default 1), top_p, top_k, seed (default: random), stop,\n"
     "ignore_eos (true: end-of-turn tokens do not end the reply; for benchmarks and tests),\n"
@@ -278,7 +280,7 @@ class Engine {
         // The mark is a second copy of the KDA states: kept only when the budget has room beside the plan
         // (and with one session only: in a batch, session 0 serves other conversations in between).
         mark_enabled_ = max_batch_ == 1 && model.plan.budget >= model.plan.total() && model.plan.budget - model.plan.total() >= kda;
-        for (std::size_t i = 1; i < max_batch_; ++i) extra_.push_back(std::make_unique<Session>(model.config, context));
+        for (std::size_t i = 1; i < max_batch_; ++i) extra_.push_back(std::make_unique<Session>(model.config, context_));
         worker_ = std::thread([this] { max_batch_ > 1 ? loop_batch() : loop(); });
     }
     ~Engine() { stop(); }
