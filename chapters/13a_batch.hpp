@@ -291,7 +291,7 @@ class Batch {
         std::erase_if(active_, [&](Id id) {
             State& s = convs_[id];
             if (s.started && s.c.hooks.cancelled && s.c.hooks.cancelled()) s.done = true;  // decode asks before each decode step
-            return s.done;
+            return release(s);
         });
         if (active_.empty()) return 0;
         const std::size_t V = std::size_t(model_.config.vocab_size);
@@ -321,7 +321,7 @@ class Batch {
             const bool more = !s.c.hooks.token || s.c.hooks.token(s.drawn.back());
             if (!more || s.drawn.size() >= s.c.limits.max_new) s.done = true;
         }
-        std::erase_if(active_, [&](Id id) { return convs_[id].done; });
+        std::erase_if(active_, [&](Id id) { return release(convs_[id]); });
         ++steps_;
         return rows;
     }
@@ -339,6 +339,12 @@ class Batch {
         std::vector<std::int64_t> drawn;
         std::vector<float> row;          // (V) this step's logits
     };
+    // A conversation that has ended keeps only what it drew: its logits row, prompt and hooks (which may
+    // hold a caller's objects) go at once, so that a long-lived batch (a server's) grows by its ids only.
+    static bool release(State& s) {
+        if (s.done) s.row = {}, s.c = Conversation{};
+        return s.done;
+    }
     Model& model_;
     std::size_t max_batch_;
     std::deque<State> convs_;            // stable addresses: drawn() references stay valid

@@ -265,6 +265,103 @@ usage_error() { local out; out=$("$bin" serve "$model" --port 0 "$@" 2>&1 </dev/
 USAGE_WANT="--speculate must be at least 1" check "serve --speculate 0 is a usage error (exit 2)" usage_error --speculate 0
 USAGE_WANT="--speculate: 33 is more than 32" check "serve --speculate 33 is a usage error (exit 2)" usage_error --speculate 33
 
+# ---- --max-batch N: concurrent requests in one forward step each, every reply the one it gets alone ----------
+# Each request's reply, less what names the reply (id, created) and what depends on the server's history
+# (cached_tokens, timings): the choices, the ids and the usage, per chunk when streamed.
+whole_of() { jq -cS '{choices, ids: .kimik3.ids, usage: (.usage | del(.prompt_tokens_details))}' "$1"; }
+stream_of() { { grep -v '^\[DONE\]' "$1" | jq -cS '{choices, token: .kimik3.token, piece: .kimik3.piece, error, usage: (.usage // null | if . then del(.prompt_tokens_details) else . end)}'; tail -n 1 "$1"; } | md5sum; }
+batch_req=(
+    "{\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":24,\"temperature\":0,\"thinking\":false,\"kimik3\":{}}"
+    "{\"messages\":$(msg "Tell me about experts."),\"max_tokens\":40,\"temperature\":0.9,\"top_p\":0.95,\"seed\":42,\"thinking\":false,\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true},\"kimik3\":{}}"
+    "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"temperature\":0.7,\"seed\":7,\"ignore_eos\":true,\"kimik3\":{}}"
+    "{\"messages\":$(msg "Think first."),\"max_tokens\":80,\"temperature\":1.2,\"seed\":5,\"ignore_eos\":true,\"stream\":true,\"kimik3\":{}}"
+    "{\"messages\":$(msg "Tell me a story."),\"max_tokens\":30,\"temperature\":0.8,\"seed\":9,\"thinking\":false,\"stop\":[\"e \"],\"stream\":true,\"kimik3\":{}}"
+    "{\"messages\":$(msg "A longer question, with a few more words in it, to make a longer prompt than the others."),\"max_tokens\":50,\"temperature\":0.5,\"seed\":11,\"thinking\":false,\"top_k\":20,\"kimik3\":{}}"
+)
+# batch_one URL I OUT: request I, its normalized reply into OUT
+batch_one() {
+    local body=${batch_req[$2]}
+    if [[ $body == *'"stream":true'* ]]; then
+        curl -s -N --max-time 120 -H 'Content-Type: application/json' --data-binary "$body" "$1/v1/$( [[ $body == *'"prompt"'* ]] && echo completions || echo chat/completions)" | sed -n 's/^data: //p' >"$3.raw"
+        stream_of "$3.raw" >"$3"
+    else
+        curl -s --max-time 120 -o "$3.raw" -H 'Content-Type: application/json' --data-binary "$body" "$1/v1/$( [[ $body == *'"prompt"'* ]] && echo completions || echo chat/completions)"
+        whole_of "$3.raw" >"$3"
+    fi
+}
+start batch-ref --context 512 --quiet || bad "the --max-batch 1 server did not start"
+for i in "${!batch_req[@]}"; do batch_one "$URL" "$i" "$tmp/alone.$i"; done
+check "serve --max-batch 1: /kimik3/status says one conversation per step" sh -c "curl -s --max-time 10 '$URL/kimik3/status' | jq -e '.max_batch == 1 and .active == 0 and (.reads.generated_tokens <= .reads.steps)' >/dev/null"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+start batch --context 512 --budget floor --max-batch 4 --queue 8 || bad "the --max-batch 4 server did not start"
+clients=()
+for i in "${!batch_req[@]}"; do
+    (sleep "0.$((i * 15))"; batch_one "$URL" "$i" "$tmp/batched.$i") &
+    clients+=($!)
+    if [ "$i" = 1 ]; then  # a client that leaves mid-way: its generation stops, the others go on
+        curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "{\"thinking\":false,\"messages\":$(msg "Go on and on."),\"max_tokens\":400,\"temperature\":1,\"seed\":3,\"ignore_eos\":true,\"stream\":true}" "$URL/v1/chat/completions" | head -c 3000 >/dev/null &
+        clients+=($!)
+    fi
+done
+most=0 shared=0
+alive() { for p in "${clients[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+while alive; do
+    n=$(curl -s --max-time 5 "$URL/kimik3/status" | jq '[.conversations[] | select(.batched and .state != "queued")] | length' 2>/dev/null)
+    [ -n "$n" ] && [ "$n" -gt "$most" ] && most=$n
+    sleep 0.05
+done
+wait "${clients[@]}" 2>/dev/null
+for i in "${!batch_req[@]}"; do
+    check "serve --max-batch 4: concurrent request $i gets the bytes it gets alone" same "$(cat "$tmp/batched.$i")" "$(cat "$tmp/alone.$i")"
+done
+check "serve --max-batch 4: the status page saw several conversations in one batch (at most $most)" sh -c "[ $most -ge 2 ] && [ $most -le 4 ]"
+check "serve --max-batch 4: the steps generated more tokens than there were steps (one read for several)" \
+    sh -c "curl -s --max-time 10 '$URL/kimik3/status' | jq -e '.max_batch == 4 and .reads.generated_tokens > .reads.steps and .reads.trunk_bytes_per_token < .reads.trunk_bytes_per_step' >/dev/null"
+check "serve --max-batch 4: the client that left stopped its generation (server log)" grep -qE "the client left after [0-9]+ of 400 tokens" "$tmp/batch.log"
+check "serve --max-batch 4: idle again, and serves the next request" sh -c "curl -s --max-time 10 '$URL/health' | jq -e '.busy == false and .queued == 0' >/dev/null && [ \"\$(curl -s --max-time 30 -o /dev/null -w '%{http_code}' -H 'Content-Type: application/json' --data-binary '{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2}' '$URL/v1/chat/completions')\" = 200 ]"
+batch_one "$URL" 0 "$tmp/again.0"
+check "serve --max-batch 4: a request alone, on a session other conversations used, the same bytes" same "$(cat "$tmp/again.0")" "$(cat "$tmp/alone.0")"
+ext=$(jq -c '.kimik3.prompt_ids + .kimik3.ids' "$tmp/again.0.raw")
+post "$URL" /v1/completions "{\"prompt\":$ext,\"max_tokens\":6,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+check "serve --max-batch 4: a prompt that extends a conversation reuses its session (prompt + reply but the last token)" \
+    jq -e --slurpfile a "$tmp/again.0.raw" '.usage.prompt_tokens_details.cached_tokens == ($a[0].kimik3.prompt_ids | length) + $a[0].usage.completion_tokens - 1' "$tmp/body"
+check "serve --max-batch 4: ... and its ids = kimik3 run over the whole sequence" same "$(jq -c '.kimik3.ids' "$tmp/body")" \
+    "$(run_ids --ids "$(echo "$ext" | jq -r 'map(tostring) | join(",")')" --gen 6)"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+# N requests generate and the queue is full: 503, as with one
+start batch-queue --context 8192 --max-batch 2 --queue 0 --quiet || bad "the --max-batch 2 --queue 0 server did not start"
+long_req="{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"
+curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
+c1=$!
+curl -s -N --max-time 60 -H 'Content-Type: application/json' --data-binary "$long_req" "$URL/v1/chat/completions" >/dev/null &
+c2=$!
+for _ in $(seq 200); do curl -s --max-time 5 "$URL/kimik3/status" | jq -e '.active == 2' >/dev/null 2>&1 && break; sleep 0.05; done
+st=$(post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "me too"),\"max_tokens\":2}")
+check "serve --max-batch 2 --queue 0: two generating, a third is refused with 503" sh -c "[ '$st' = 503 ] && jq -e '.error.code == \"server_overloaded\"' '$tmp/body' >/dev/null"
+kill $c1 $c2 2>/dev/null
+wait $c1 $c2 2>/dev/null
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+# a failed weight read in a batch's step: its requests end with an error event, the next is served right
+floor2=$("$bin" plan "$model" --budget 1 --context 128 --max-batch 2 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
+FAIL_READS=1000:1 start batch-fail --context 128 --budget "$floor2" --max-batch 2 --quiet || bad "the failing --max-batch 2 server did not start"
+stream "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"kimik3\":{}}"
+check "serve --max-batch 2, a failed read: tokens, then an error event naming the read, no [DONE]" \
+    sh -c "grep -q '\"weight_read_failed\"' '$tmp/events' && ! grep -q '^\[DONE\]' '$tmp/events' && [ \$(grep -c '\"token\"' '$tmp/events') -ge 1 ]"
+post "$URL" /v1/chat/completions "{\"thinking\":false,\"messages\":$(msg "Hello, tiny K3"),\"max_tokens\":12,\"temperature\":0,\"kimik3\":{}}" >/dev/null
+check "serve --max-batch 2, a failed read: the next request is served with kimik3 run's ids" same "$(jq -c '.kimik3.ids' "$tmp/body")" "$greedy_run"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
+# --max-batch past what --budget holds: refused at start (exit 3) with what each conversation takes
+floor1=$("$bin" plan "$model" --budget 1 --context 128 2>&1 | sed -nE 's/.*floor of .* \(([0-9]+) bytes\).*/\1/p')
+out=$("$bin" serve "$model" --port 0 --context 128 --budget "$floor1" --max-batch 64 2>&1 </dev/null)
+code=$?
+check "serve --max-batch 64 at the floor of one conversation: exit 3, the sizes per conversation" \
+    sh -c "[ $code = 3 ] && printf '%s' \"\$1\" | grep -q '64 conversations' && printf '%s' \"\$1\" | grep -qE 'carried state [0-9.]+ [kMG]?B \+ MLA cache [0-9.]+ [kMG]?B per conversation'" _ "$out"
+USAGE_WANT="--max-batch" check "serve --max-batch 0 is a usage error (exit 2)" usage_error --max-batch 0
+
 # ---- one at a time: a bounded queue, then 503 with Retry-After --------------------------------------------
 start queue --context 8192 --queue 1 || bad "the queue server did not start"
 # the K3 API contract with tools (under the tiny vocabulary a tool prompt is ~500 ids: this server has room)

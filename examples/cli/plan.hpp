@@ -17,6 +17,12 @@ inline const char* kPlanUsage =
     "  --context N    positions of latent KV cache to plan for (default 4096)\n"
     "  --max-batch N  conversations stepped together, each with its own carried state and MLA cache (default 1)\n";
 
+// What each conversation of a batch adds to the plan (its carried state and its MLA cache at `context`).
+inline std::string per_conversation(const Census& s, std::uint64_t context) {
+    return "carried state " + human_bytes(double(s.kda_state_bytes)) + " + MLA cache " + human_bytes(double(s.mla_cache_bytes_per_token * context)) +
+           " per conversation";
+}
+
 inline int cmd_plan(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kPlanUsage, stdout), kExitOk;
     const std::string config_path = take_option(args, "--config", kPlanUsage), budget = take_option(args, "--budget", kPlanUsage),
@@ -37,8 +43,7 @@ inline int cmd_plan(std::vector<std::string> args) {
     if (!batch.empty()) o.sessions = std::uint64_t(parse_count(batch, "--max-batch", kPlanUsage, 4096));
     if (o.sessions == 0) throw Usage(std::string("--max-batch: at least 1 conversation\n\n") + kPlanUsage);
     const Plan p = make_plan(c, s, budget_bytes(budget, preset, kPlanUsage), o);
-    const std::string each = "carried state " + human_bytes(double(s.kda_state_bytes)) + " + MLA cache " +
-                             human_bytes(double(s.mla_cache_bytes_per_token * o.context)) + " per conversation";
+    const std::string each = per_conversation(s, o.context);
     if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p) + " (" + each + ")");
     std::printf("%s", describe_plan(p, c).c_str());
     if (o.sessions > 1) std::printf("  batch:    %llu conversations, %s\n", (unsigned long long)o.sessions, each.c_str());

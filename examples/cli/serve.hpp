@@ -26,7 +26,9 @@
 //                  with Retry-After), run on one engine thread (the only caller of chapter 00's thread
 //                  team, whose workers split each step's rows; a second caller would run alone), and stop
 //                  when their client disconnects. A failed weight read ends that request with an error
-//                  and resets the session; the server goes on.
+//                  and resets the session; the server goes on. With --max-batch N, up to N requests run
+//                  together through appendix 13a's Batch (loop_batch below): one read of the weights per
+//                  step for all of them, each on a session of its own, each reply the one it gets alone.
 //
 //   Generation is chapter 13's decode loop, as in `run` and `chat` (with --speculate, chapter 16's
 //   prompt lookup: the same tokens in fewer steps). What the page at / shows comes from the engine's
@@ -51,6 +53,7 @@
 // ENDPOINTS
 //   POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/ID]   GET /health
 //   GET / (the page)            GET /kimik3/info (the model's shape, for the page)
+//   GET /kimik3/status (the conversations the engine holds, the reads their steps share: the page)
 // ====================================================================================================
 #pragma once
 
@@ -73,6 +76,7 @@
 
 #include "common.hpp"
 #include "options.hpp"
+#include "plan.hpp"
 #include "run.hpp"
 #include "serve_guard.hpp"
 #include "serve_reply.hpp"
@@ -97,8 +101,8 @@ inline const char* kServeUsage =
     "usage: kimik3 serve MODEL_DIR [--host 127.0.0.1] [--port 8080] [--budget SIZE | --preset NAME] [options]\n"
     "\n"
     "An OpenAI-compatible server for the model in MODEL_DIR, and a page at / that shows each token's experts,\n"
-    "AttnRes depth weights and reads. One generation at a time; the conversation's state carries over when a\n"
-    "request extends the one before.\n"
+    "AttnRes depth weights and reads. One generation at a time (--max-batch N: N in each forward step); the state\n"
+    "of a conversation carries over when a request extends the one before.\n"
     "\n"
     "  --host ADDR       address to listen on (default 127.0.0.1: this machine only). Anything else exposes\n"
     "                    the server to the network: give an API key then\n"
@@ -114,10 +118,17 @@ inline const char* kServeUsage =
     "  --header-time S   seconds a client has to send its request line and headers (default 10)\n"
     "  --body-time S     seconds it has to send the body (default 30); past either, the connection is closed\n"
     "  --speculate N     speculative decoding, as for kimik3 run: the same replies, bit for bit, in fewer steps\n"
+    "  --max-batch N     conversations generated together (default 1): each forward step advances every active\n"
+    "                    request by a token (or a prompt chunk) in one read of the weights, each on a session of\n"
+    "                    its own (planned: N carried states and MLA caches inside --budget, refused with exit\n"
+    "                    code 3 when they do not fit). Every reply is the one it gets alone, bit for bit. Requests\n"
+    "                    past N wait in the queue; a traced request (the page's) and every request under\n"
+    "                    --speculate run alone, between batches\n"
     "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --quiet           no request log on stderr\n"
     "\n"
-    "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET / (the page).\n"
+    "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET / (the page),\n"
+    "GET /kimik3/status (every conversation the engine holds, and the bytes its forward steps read).\n"
     "Request fields: messages (or prompt), stream, stream_options.include_usage, max_tokens (or\n"
     "max_completion_tokens), temperature (default 1), top_p, top_k, seed (default: random), stop,\n"
     "ignore_eos (true: end-of-turn tokens do not end the reply; for benchmarks and tests),\n"
@@ -149,6 +160,9 @@ struct Job {
     std::atomic<bool> cancelled{false};    // stop generating (read by the engine after every token)
     std::atomic<bool> client_left{false};  // ... because the client closed its connection
     std::atomic<bool> shutdown{false};     // ... because the server is stopping (SIGINT/SIGTERM)
+    std::string name;                      // the reply's id (the status page lists it)
+    std::atomic<int> phase{0};             // 0 queued, 1 feeding its prompt, 2 generating
+    std::atomic<std::size_t> drawn{0}, reused{0};
     std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
     void push(Event e) {
         {
@@ -186,31 +200,102 @@ inline ssize_t serve_failing_pread(int fd, void* buf, std::size_t n, off_t off) 
     return ::pread(fd, buf, n, off);
 }
 
+// A request's tokens as the events of its reply: each token's own text (the page shows it), the content
+// and reasoning channels, tool calls, the stop sequences' cut. Alone (decode) and in a batch (appendix
+// 13a) alike: the same ids make the same bytes.
+class ReplyEvents {
+  public:
+    ReplyEvents(const GenRequest& q, const Tokenizer& tok, const StopTokens& stops)
+        : q_(q), tok_(tok), stops_(stops), reader_(tok, q.chat, q.thinking), calls_(tok), stop_(q.stop) {}
+    Event token(std::int64_t id) {
+        ++drawn;
+        Event e;
+        e.kind = Event::token;
+        e.id = id;
+        const std::uint32_t u = std::uint32_t(id);
+        const bool is_stop = !q_.ignore_eos && stops_.contains(u);
+        e.piece = raw_.push(u < tok_.vocab_size() ? std::string(tok_.token_bytes(u)) : std::string());
+        if (!is_stop) {
+            ReplyReader::Delta d = reader_.push(u);
+            if (q_.chat) e.calls = calls_.push(u);
+            e.content = stop_.push(d.content);
+            e.reasoning = d.reasoning;
+        }
+        if (is_stop || stop_.stopped || drawn == q_.max_tokens) {  // the last token: flush what is held back
+            const ReplyReader::Delta d = reader_.finish();
+            e.content += stop_.push(d.content);
+            e.reasoning += d.reasoning;
+            e.content += stop_.finish();
+            if (q_.chat) for (ToolCallOut& c : calls_.finish()) e.calls.push_back(std::move(c));
+        }
+        if (q_.tool_choice == "none") e.calls.clear();  // told not to call: what it wrote anyway is not a call (as vLLM)
+        if (is_stop || stop_.stopped) stopped = true;
+        return e;
+    }
+    // The reply's end: stop, length or tool_calls, with its counts and times.
+    Event done(std::size_t reused, double queue_seconds, double prefill_seconds, double decode_seconds) const {
+        Event d;
+        d.kind = Event::done;
+        d.finish_reason = stopped ? (calls_.count() > 0 && q_.tool_choice != "none" ? "tool_calls" : "stop") : "length";
+        d.prompt_tokens = q_.prompt_tokens;
+        d.completion_tokens = drawn;
+        d.reused = reused;
+        d.queue_seconds = queue_seconds, d.prefill_seconds = prefill_seconds, d.decode_seconds = decode_seconds;
+        return d;
+    }
+    std::size_t drawn = 0;
+    bool stopped = false;  // at a stop token or a stop sequence
+
+  private:
+    const GenRequest& q_;
+    const Tokenizer& tok_;
+    const StopTokens& stops_;
+    ReplyReader reader_;
+    Utf8Stream raw_;           // each token's own text, markup included
+    ToolCallReader calls_;     // the reply's tool calls, by token id (serve_api.hpp)
+    StopMatcher stop_;
+};
+
+// What the forward steps read, shared by every conversation in them (the status page shows it).
+struct SharedReads {
+    std::uint64_t steps = 0, rows = 0, generated = 0, trunk = 0, experts = 0;
+    std::uint64_t last_rows = 0, last_generated = 0, last_conversations = 0, last_trunk = 0, last_experts = 0;
+    void add(const IoSnapshot& a, const IoSnapshot& b, std::size_t rows_fed, std::size_t drawn, std::size_t conversations) {
+        ++steps, rows += rows_fed, generated += drawn, trunk += b.trunk - a.trunk, experts += b.experts - a.experts;
+        last_rows = rows_fed, last_generated = drawn, last_conversations = conversations;
+        last_trunk = b.trunk - a.trunk, last_experts = b.experts - a.experts;
+    }
+};
+
 class Engine {
   public:
-    Engine(Model& model, const Tokenizer& tok, std::size_t context, std::size_t queue_limit, int threads, std::size_t speculate = 0)
+    Engine(Model& model, const Tokenizer& tok, std::size_t context, std::size_t queue_limit, int threads, std::size_t speculate = 0,
+           std::size_t max_batch = 1)
         : model_(model), tok_(tok), context_(context), queue_limit_(queue_limit), threads_(threads), speculate_(speculate),
-          live_(model.config, context), stops_(stop_tokens(tok)) {
+          max_batch_(std::max<std::size_t>(max_batch, 1)), live_(model.config, context), stops_(stop_tokens(tok)) {
         std::uint64_t kda = 0;
         for (const auto& k : live_.kda)
             if (k) kda += k->bytes();
         mark_bytes_ = kda;
-        // The mark is a second copy of the KDA states: kept only when the budget has room beside the plan.
-        mark_enabled_ = model.plan.budget >= model.plan.total() && model.plan.budget - model.plan.total() >= kda;
-        worker_ = std::thread([this] { loop(); });
+        // The mark is a second copy of the KDA states: kept only when the budget has room beside the plan
+        // (and with one session only: in a batch, session 0 serves other conversations in between).
+        mark_enabled_ = max_batch_ == 1 && model.plan.budget >= model.plan.total() && model.plan.budget - model.plan.total() >= kda;
+        for (std::size_t i = 1; i < max_batch_; ++i) extra_.push_back(std::make_unique<Session>(model.config, context_));
+        worker_ = std::thread([this] { max_batch_ > 1 ? loop_batch() : loop(); });
     }
     ~Engine() { stop(); }
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
 
     bool mark_enabled() const { return mark_enabled_; }
+    std::size_t max_batch() const { return max_batch_; }
     std::uint64_t mark_bytes() const { return mark_bytes_; }
 
     // Queues a job; false when the queue is full (the caller answers 503).
     bool submit(const std::shared_ptr<Job>& job) {
         {
             std::lock_guard<std::mutex> g(mu_);
-            if (stopping_ || queue_.size() + (running_ ? 1 : 0) >= queue_limit_ + 1) return false;
+            if (stopping_ || queue_.size() + (running_ ? 1 : 0) + batched_.size() >= queue_limit_ + max_batch_) return false;
             queue_.push_back(job);
         }
         cv_.notify_all();
@@ -222,13 +307,40 @@ class Engine {
     }
     bool busy() {
         std::lock_guard<std::mutex> g(mu_);
-        return running_;
+        return running_ || !batched_.empty();
     }
-    // A guess for Retry-After: the mean job time so far times the jobs ahead, at least a second.
+    // A guess for Retry-After: the mean job time so far times the jobs ahead (N at a time), at least a second.
     int retry_after_seconds() {
         std::lock_guard<std::mutex> g(mu_);
         const double mean = jobs_done_ ? job_seconds_ / double(jobs_done_) : 1.0;
-        return std::max(1, int(std::ceil(mean * double(queue_.size() + 1))));
+        return std::max(1, int(std::ceil(mean * double(queue_.size() + 1) / double(max_batch_))));
+    }
+    // GET /kimik3/status: every conversation the engine holds (generating, feeding its prompt, queued)
+    // and what the forward steps read, shared by the conversations in them.
+    nlohmann::ordered_json status_json() {
+        std::lock_guard<std::mutex> g(mu_);
+        nlohmann::ordered_json convs = nlohmann::ordered_json::array();
+        auto add = [&](const Job& j, bool batched) {
+            static const char* names[] = {"queued", "prompt", "generating"};
+            convs.push_back({{"id", j.name}, {"state", names[std::clamp(j.phase.load(), 0, 2)]}, {"batched", batched},
+                             {"prompt_tokens", j.req.prompt.size()}, {"reused_tokens", j.reused.load()}, {"tokens", j.drawn.load()},
+                             {"max_tokens", j.req.max_tokens}, {"seconds", seconds_since(j.submitted)}});
+        };
+        if (current_) add(*current_, false);
+        for (const auto& j : batched_) add(*j, true);
+        for (const auto& j : queue_) add(*j, false);
+        const SharedReads& r = reads_;
+        auto per = [](std::uint64_t bytes, std::uint64_t n) { return n ? double(bytes) / double(n) : 0.0; };
+        return {{"max_batch", max_batch_},
+                {"active", (current_ ? 1 : 0) + batched_.size()},
+                {"queued", queue_.size()},
+                {"conversations", std::move(convs)},
+                {"reads", {{"steps", r.steps}, {"rows", r.rows}, {"generated_tokens", r.generated}, {"trunk_bytes", r.trunk},
+                           {"expert_bytes", r.experts}, {"trunk_bytes_per_step", per(r.trunk, r.steps)},
+                           {"expert_bytes_per_step", per(r.experts, r.steps)}, {"trunk_bytes_per_token", per(r.trunk, r.generated)},
+                           {"expert_bytes_per_token", per(r.experts, r.generated)},
+                           {"last_step", {{"conversations", r.last_conversations}, {"rows", r.last_rows}, {"generated_tokens", r.last_generated},
+                                          {"trunk_bytes", r.last_trunk}, {"expert_bytes", r.last_experts}}}}}};
     }
     void stop() {
         {
@@ -236,6 +348,7 @@ class Engine {
             stopping_ = true;
             for (auto& j : queue_) j->shutdown = true, j->cancelled = true;
             if (current_) current_->shutdown = true, current_->cancelled = true;
+            for (auto& j : batched_) j->shutdown = true, j->cancelled = true;
         }
         cv_.notify_all();
         if (worker_.joinable()) worker_.join();
@@ -263,16 +376,143 @@ class Engine {
                 running_ = true;
                 current_ = job;
             }
-            const auto t0 = std::chrono::steady_clock::now();
-            if (job->cancelled) job->push(cancelled_event());
-            else run(*job);
+            run_alone(job);
+        }
+    }
+
+    // A job taken from the queue (running_ and current_ set): decode on the live session.
+    void run_alone(const std::shared_ptr<Job>& job) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (job->cancelled) job->push(cancelled_event());
+        else run(*job);
+        std::lock_guard<std::mutex> g(mu_);
+        running_ = false;
+        current_.reset();
+        ++jobs_done_;
+        job_seconds_ += seconds_since(t0);
+    }
+
+    // --max-batch N > 1: appendix 13a's Batch steps every active request, each on a session of its own
+    // (session 0 is live_), by one token or one prompt chunk per forward step; requests join and leave
+    // between steps, the rest wait in the queue in arrival order. A request the batch cannot take (a
+    // trace, every one under --speculate: the step records and drafts are decode's) waits until the
+    // batch is empty and runs alone on session 0. Each free session keeps its conversation: a request
+    // takes the free one that holds the longest prefix of its prompt (else the one left longest ago).
+    struct Member {
+        std::shared_ptr<Job> job;
+        ReplyEvents out;
+        std::size_t slot = 0, reused = 0;
+        Batch::Id id = 0;
+        double queue_seconds = 0, prefill = 0;
+        std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now(), t_first = t0;
+    };
+    bool alone(const Job& j) const { return speculate_ > 0 || j.req.trace; }
+    Session& slot(std::size_t i) { return i == 0 ? live_ : *extra_[i - 1]; }
+
+    void loop_batch() {
+        if (threads_ > 0) set_threads(threads_);
+        std::optional<Batch> batch;
+        std::vector<std::unique_ptr<Member>> members;
+        std::vector<bool> used(max_batch_, false);
+        std::vector<std::uint64_t> last_use(max_batch_, 0);
+        std::uint64_t clock = 0;
+        std::size_t drawn_this_step = 0;
+        auto leave = [&](Member& m, bool had_slot = true) {  // the job is answered: its session is free for the next one
+            if (had_slot) used[m.slot] = false, last_use[m.slot] = ++clock;
+            std::lock_guard<std::mutex> g(mu_);
+            std::erase(batched_, m.job);
+            ++jobs_done_;
+            job_seconds_ += seconds_since(m.t0);
+        };
+        for (;;) {
+            std::vector<std::shared_ptr<Job>> joining;
+            std::shared_ptr<Job> solo;
+            {
+                std::unique_lock<std::mutex> lk(mu_);
+                if (members.empty()) cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+                if (stopping_ && members.empty()) {
+                    for (auto& j : queue_) j->push(cancelled_event());
+                    return;
+                }
+                while (!stopping_ && !queue_.empty() && members.size() + joining.size() < max_batch_ && !alone(*queue_.front()))
+                    joining.push_back(queue_.front()), batched_.push_back(queue_.front()), queue_.pop_front();
+                if (!stopping_ && members.empty() && joining.empty() && !queue_.empty())
+                    solo = queue_.front(), queue_.pop_front(), running_ = true, current_ = solo;
+            }
+            if (solo) {
+                run_alone(solo);
+                last_use[0] = ++clock;
+                continue;
+            }
+            for (auto& job : joining) {
+                const GenRequest& q = job->req;
+                auto m = std::make_unique<Member>(Member{job, ReplyEvents(q, tok_, stops_)});
+                m->queue_seconds = seconds_since(job->submitted);
+                if (job->cancelled) {
+                    job->push(cancelled_event()), leave(*m, false);
+                    continue;
+                }
+                std::size_t best = max_batch_;
+                for (std::size_t i = 0; i < max_batch_; ++i) {
+                    const std::size_t n = strict_prefix(slot(i).tokens, q.prompt) ? slot(i).tokens.size() : 0;
+                    if (!used[i] && (best == max_batch_ || n > m->reused || (n == m->reused && last_use[i] < last_use[best]))) best = i, m->reused = n;
+                }
+                m->slot = best, used[best] = true;
+                if (m->reused == 0) slot(best).reset();
+                Event start;
+                start.kind = Event::started;
+                start.queue_seconds = m->queue_seconds;
+                start.reused = m->reused;
+                job->push(start);
+                job->reused = m->reused, job->phase = 1;
+                SamplingParams sp = q.sampling;  // as run(): output p of the seed's stream for position p
+                sp.seed = q.seed;
+                Conversation c;
+                c.session = &slot(best);
+                c.fresh.assign(q.prompt.begin() + long(m->reused), q.prompt.end());
+                c.limits.max_new = q.max_tokens;
+                c.choose = sampler(sp);
+                Member* mp = m.get();
+                c.hooks.cancelled = [mp] { return mp->job->cancelled.load(); };
+                c.hooks.token = [mp, &drawn_this_step](std::int64_t id) {
+                    if (mp->out.drawn == 0) mp->prefill = seconds_since(mp->t0), mp->t_first = std::chrono::steady_clock::now();
+                    ++drawn_this_step;
+                    mp->job->push(mp->out.token(id));
+                    mp->job->drawn = mp->out.drawn, mp->job->phase = 2;
+                    return !mp->out.stopped;
+                };
+                if (!batch) batch.emplace(model_, max_batch_);
+                m->id = batch->join(std::move(c));
+                members.push_back(std::move(m));
+            }
+            if (members.empty()) continue;
+            if (model_.experts()) model_.experts()->clear_trace();  // the server keeps no trace: memory stays bounded
+            const IoSnapshot before = io_snapshot(model_);
+            drawn_this_step = 0;
+            std::size_t rows = 0;
+            try {
+                rows = batch->step();
+            } catch (const std::exception& ex) {
+                // Every session in the step may hold half of it: each of these requests ends with the
+                // error, their sessions start from scratch, the queue goes on.
+                const Event e = failure_event(ex, "the batch's sessions were reset");
+                for (auto& m : members) slot(m->slot).reset(), m->job->push(e), leave(*m);
+                members.clear();
+                batch.reset();
+                continue;
+            }
             {
                 std::lock_guard<std::mutex> g(mu_);
-                running_ = false;
-                current_.reset();
-                ++jobs_done_;
-                job_seconds_ += seconds_since(t0);
+                reads_.add(before, io_snapshot(model_), rows, drawn_this_step, members.size());
             }
+            std::erase_if(members, [&](const std::unique_ptr<Member>& m) {
+                if (!batch->done(m->id)) return false;
+                log_cut(*m->job, m->out);
+                m->job->push(m->out.done(m->reused, m->queue_seconds, m->prefill, m->out.drawn ? seconds_since(m->t_first) : 0.0));
+                leave(*m);
+                return true;
+            });
+            if (members.empty()) batch.reset();  // a fresh one next time: its record of ended conversations goes
         }
     }
 
@@ -352,57 +592,40 @@ class Engine {
             const std::size_t reused = prepare(q.prompt);
             start.reused = reused;
             job.push(start);
+            job.reused = reused, job.phase = 1;
             const std::vector<std::int64_t> fresh(q.prompt.begin() + long(reused), q.prompt.end());
             SamplingParams sp = q.sampling;  // the token at position p draws output p of the seed's stream (chapter 15)
             sp.seed = q.seed;
-            ReplyReader reader(tok_, q.chat, q.thinking);
-            Utf8Stream raw;  // each token's own text, markup included (the page shows it)
-            ToolCallReader calls(tok_);  // the reply's tool calls, by token id (serve_api.hpp)
-            StopMatcher stop(q.stop);
+            ReplyEvents out(q, tok_, stops_);
             StepRecord rec;
             PromptLookup drafter{.max_draft = speculate_};
             // the step being read: its index (0: the prompt), the next row of its logits, its reads and time
-            std::size_t drawn = 0, step = 0, row = 0;
-            IoSnapshot before = io_snapshot(model_), after = before;
+            std::size_t step = 0, row = 0;
+            IoSnapshot before = io_snapshot(model_), after = before, shared = before;
             auto t_step = std::chrono::steady_clock::now();
             double step_seconds = 0, prefill = 0;
-            std::string finish = "length";
             auto t_decode = t_step;
             DecodeHooks hooks;
             hooks.record = q.trace ? &rec : nullptr;
             hooks.cancelled = [&] { return job.cancelled.load(); };
             if (speculate_) hooks.draft = [&](std::span<const std::int64_t> seq, std::size_t room) { return drafter(seq, room); };
             hooks.token = [&](std::int64_t id) {
-                ++drawn;
-                Event e;
-                e.kind = Event::token;
-                e.id = id;
-                const std::uint32_t u = std::uint32_t(id);
-                const bool is_stop = !q.ignore_eos && stops_.contains(u);
-                e.piece = raw.push(u < tok_.vocab_size() ? std::string(tok_.token_bytes(u)) : std::string());
-                if (!is_stop) {
-                    ReplyReader::Delta d = reader.push(u);
-                    if (q.chat) e.calls = calls.push(u);
-                    e.content = stop.push(d.content);
-                    e.reasoning = d.reasoning;
-                }
-                if (is_stop || stop.stopped || drawn == q.max_tokens) {  // the last token: flush what is held back
-                    const ReplyReader::Delta d = reader.finish();
-                    e.content += stop.push(d.content);
-                    e.reasoning += d.reasoning;
-                    e.content += stop.finish();
-                    if (q.chat) for (ToolCallOut& c : calls.finish()) e.calls.push_back(std::move(c));
-                }
-                if (q.tool_choice == "none") e.calls.clear();  // told not to call: what it wrote anyway is not a call (as vLLM)
+                Event e = out.token(id);
+                job.drawn = out.drawn, job.phase = 2;
                 if (q.trace) {
                     if (row == 0) after = io_snapshot(model_), step_seconds = seconds_since(t_step);
                     e.step = step_json(rec, before, after, step, step ? rec.tokens : fresh.size(), step_seconds, row++);
                 }
                 job.push(std::move(e));
-                if (is_stop || stop.stopped) finish = "stop";
-                return finish != "stop";
+                return !out.stopped;
             };
-            hooks.step = [&](const DecodeStep&) {
+            hooks.step = [&](const DecodeStep& ds) {
+                const IoSnapshot now = io_snapshot(model_);
+                {
+                    std::lock_guard<std::mutex> g(mu_);
+                    reads_.add(shared, now, ds.fed, ds.yielded, 1);
+                }
+                shared = now;
                 if (step++ == 0) {  // the prompt is in: keep the mark there
                     prefill = seconds_since(t_step);
                     if (mark_enabled_) mark_ = Mark{live_.tokens, live_.kda};
@@ -413,31 +636,30 @@ class Engine {
                 t_step = std::chrono::steady_clock::now();
             };
             decode(model_, live_, fresh, {.max_new = q.max_tokens}, sampler(sp), hooks);
-            if (job.cancelled && finish != "stop" && drawn < q.max_tokens)
-                std::fprintf(stderr, "kimik3 serve: the client left after %zu of %zu tokens: generation stopped\n", drawn, q.max_tokens);
-            Event d;
-            d.kind = Event::done;
-            d.finish_reason = finish == "stop" && calls.count() > 0 && q.tool_choice != "none" ? "tool_calls" : finish;
-            d.prompt_tokens = q.prompt_tokens;
-            d.completion_tokens = drawn;
-            d.reused = reused;
-            d.queue_seconds = start.queue_seconds;
-            d.prefill_seconds = prefill;
-            d.decode_seconds = seconds_since(t_decode);
-            job.push(std::move(d));
+            log_cut(job, out);
+            job.push(out.done(reused, start.queue_seconds, prefill, seconds_since(t_decode)));
         } catch (const std::exception& ex) {
             // The session may hold half a step: start the next request from scratch.
             mark_.reset();
             live_.reset();
-            const Error* err = dynamic_cast<const Error*>(&ex);
-            Event e;
-            e.kind = Event::error;
-            if (err && err->kind == ErrorKind::io)
-                e.failure = ApiError{500, std::string("a weight read failed: ") + ex.what(), "", "weight_read_failed", "server_error"};
-            else e.failure = ApiError{500, std::string("the generation failed: ") + ex.what(), "", "generation_failed", "server_error"};
-            std::fprintf(stderr, "kimik3 serve: %s (the session was reset)\n", e.failure.message.c_str());
-            job.push(std::move(e));
+            job.push(failure_event(ex, "the session was reset"));
         }
+    }
+
+    static void log_cut(const Job& job, const ReplyEvents& out) {
+        if (job.cancelled && !out.stopped && out.drawn < job.req.max_tokens)
+            std::fprintf(stderr, "kimik3 serve: the client left after %zu of %zu tokens: generation stopped\n", out.drawn, job.req.max_tokens);
+    }
+    // A failed step's error event (a weight read, or anything else), logged.
+    static Event failure_event(const std::exception& ex, const char* after) {
+        const Error* err = dynamic_cast<const Error*>(&ex);
+        Event e;
+        e.kind = Event::error;
+        if (err && err->kind == ErrorKind::io)
+            e.failure = ApiError{500, std::string("a weight read failed: ") + ex.what(), "", "weight_read_failed", "server_error"};
+        else e.failure = ApiError{500, std::string("the generation failed: ") + ex.what(), "", "generation_failed", "server_error"};
+        std::fprintf(stderr, "kimik3 serve: %s (%s)\n", e.failure.message.c_str(), after);
+        return e;
     }
 
     Model& model_;
@@ -445,7 +667,9 @@ class Engine {
     std::size_t context_, queue_limit_;
     int threads_;
     std::size_t speculate_;  // --speculate: prompt lookup drafts per step (0: one token per step)
+    std::size_t max_batch_;  // --max-batch: conversations per forward step (1: one at a time, loop)
     Session live_;
+    std::vector<std::unique_ptr<Session>> extra_;  // sessions 1 .. max_batch - 1 (loop_batch)
     std::optional<Mark> mark_;
     bool mark_enabled_ = false;
     std::uint64_t mark_bytes_ = 0;
@@ -454,6 +678,8 @@ class Engine {
     std::condition_variable cv_;
     std::deque<std::shared_ptr<Job>> queue_;
     std::shared_ptr<Job> current_;
+    std::vector<std::shared_ptr<Job>> batched_;  // the jobs in loop_batch's batch
+    SharedReads reads_;
     bool running_ = false, stopping_ = false;
     std::uint64_t jobs_done_ = 0;
     double job_seconds_ = 0;
@@ -793,6 +1019,7 @@ inline void handle_generate(ServeContext& cx, const HttpLimits& lim, const httpl
     ReplyInfo info{random_id(chat ? "chatcmpl" : "cmpl"), cx.limits.model_name, req.method + " " + req.path, std::int64_t(std::time(nullptr)),
                    chat, cx.quiet, std::chrono::steady_clock::now()};
     auto job = std::make_shared<Job>();
+    job->name = info.id;
     try {
         job->req = parse_request(read_body(reader, lim), chat, cx.tok, cx.limits);
     } catch (const ApiError& e) {
@@ -802,7 +1029,7 @@ inline void handle_generate(ServeContext& cx, const HttpLimits& lim, const httpl
     if (!cx.engine.submit(job)) {
         res.set_header("Retry-After", std::to_string(cx.engine.retry_after_seconds()));
         if (!cx.quiet) std::fprintf(stderr, "%s 503 (queue full)\n", info.what.c_str());
-        return send_error(res, ApiError{503, "the server is busy: one generation runs and the queue is full; retry later", "", "server_overloaded",
+        return send_error(res, ApiError{503, "the server is busy: its generations run and the queue is full; retry later", "", "server_overloaded",
                                         "server_error"});
     }
     if (job->req.stream) reply_stream(job, info, res);
@@ -828,7 +1055,8 @@ inline nlohmann::ordered_json info_json(ServeContext& cx) {
             {"layers", layers},
             {"plan", {{"budget_bytes", p.budget}, {"expected_bytes", p.total()}, {"pinned_layers", p.pinned_layers()},
                       {"lm_head_pinned", p.lm_head_pinned}, {"expert_slots", p.expert_slots}}},
-            {"prompt_mark", cx.engine.mark_enabled()}};
+            {"prompt_mark", cx.engine.mark_enabled()},
+            {"max_batch", cx.engine.max_batch()}};
 }
 
 inline bool local_host(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0; }
@@ -839,7 +1067,7 @@ inline bool local_host(const std::string& h) { return h == "127.0.0.1" || h == "
 struct ServeOptions {
     std::string dir, host = "127.0.0.1", name, allow_hosts;
     int port = 8080;
-    std::size_t context = 4096, queue = 4, speculate = 0;
+    std::size_t context = 4096, queue = 4, speculate = 0, max_batch = 1;
     HttpLimits http;
     ModelArgs model;
     std::string key;
@@ -882,6 +1110,7 @@ inline ServeOptions parse_serve(std::vector<std::string> args) {
     if (const auto t = o.count("--body-time", 1, 3600)) s.http.body_time = std::chrono::seconds(*t);
     s.key = api_key(o, s.key_on_command_line);
     s.speculate = speculate_arg(o);
+    s.max_batch = std::size_t(o.count("--max-batch", 1, 256).value_or(1));
     s.model = model_args(o);
     s.context = std::size_t(s.model.context.value_or(4096));
     if (s.context < 2) o.refuse("--context must be at least 2");
@@ -904,19 +1133,30 @@ inline int cmd_serve(std::vector<std::string> args) {
     mo.budget = so.model.budget;
     mo.on_plan = show_and_check_plan;
     mo.plan.context = so.context;
+    mo.plan.sessions = so.max_batch;  // --max-batch N: N carried states and MLA caches (appendix 13a)
     mo.trunk_dir = so.model.trunk;
     mo.direct = so.model.direct;
     if (so.model.threads > 0) set_threads(so.model.threads);
     ::signal(SIGPIPE, SIG_IGN);  // a client that left is a failed write, not the end of the server
 
     const Tokenizer tok = Tokenizer::load(so.dir);
-    Model model(so.dir, mo);
+    std::unique_ptr<Model> owned;
+    try {
+        owned = std::make_unique<Model>(so.dir, mo);
+    } catch (const Error& e) {  // a batch that does not fit: say what each conversation takes
+        if (e.kind != ErrorKind::budget || so.max_batch < 2) throw;
+        Checkpoint ck(so.dir);
+        const Config c = load_config(so.dir);
+        fail(ErrorKind::budget, std::string(e.what()) + " (--max-batch " + std::to_string(so.max_batch) + ": " +
+                                    per_conversation(take_census(ck, c, bind_tensors(ck, c)), so.context) + ")");
+    }
+    Model& model = *owned;
     if (const char* f = std::getenv("KIMIK3_TEST_FAIL_SERVE_READS"); f && *f) {
         long n = -1, m = 0;
         if (std::sscanf(f, "%ld:%ld", &n, &m) != 2 || n < 0 || m < 1) throw Usage("KIMIK3_TEST_FAIL_SERVE_READS must be N:M\n");
         g_serve_fail_from = n, g_serve_fail_count = m, detail::pread_hook = serve_failing_pread;
     }
-    Engine engine(model, tok, so.context, so.queue, so.model.threads, so.speculate);
+    Engine engine(model, tok, so.context, so.queue, so.model.threads, so.speculate, so.max_batch);
     ServeContext cx{tok, model, engine, ServeLimits{so.name, so.context, std::size_t(model.config.vocab_size)}, so.quiet, std::int64_t(std::time(nullptr))};
 
     GuardedServer svr(so.http);
@@ -964,6 +1204,7 @@ inline int cmd_serve(std::vector<std::string> args) {
                         "application/json");
     });
     svr.Get("/kimik3/info", [&](const httplib::Request&, httplib::Response& res) { res.set_content(dump(info_json(cx)) + "\n", "application/json"); });
+    svr.Get("/kimik3/status", [&](const httplib::Request&, httplib::Response& res) { res.set_content(dump(engine.status_json()) + "\n", "application/json"); });
     const std::string page(kimik3_index_html, std::size_t(kimik3_index_html_end - kimik3_index_html));
     auto serve_page = [&page](const httplib::Request&, httplib::Response& res) {
         res.set_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'");
@@ -983,7 +1224,11 @@ inline int cmd_serve(std::vector<std::string> args) {
     if (!local_host(host))
         std::fprintf(stderr, "kimik3 serve: WARNING: listening on %s: anyone who can reach this machine can use the model%s\n", host.c_str(),
                      so.key.empty() ? " (no authentication: give --api-key-file FILE)" : " (with the API key; the traffic is not encrypted)");
-    std::fprintf(stderr, "kimik3 serve: state reuse: %s\n",
+    if (so.max_batch > 1)
+        std::fprintf(stderr, "kimik3 serve: batch: up to %zu conversations per forward step, each on a session of its own; state reuse: a request "
+                             "takes the free session that holds the longest prefix of its prompt%s\n", so.max_batch,
+                     so.speculate ? " (under --speculate every request runs alone)" : "");
+    else std::fprintf(stderr, "kimik3 serve: state reuse: %s\n",
                  engine.mark_enabled() ? ("the live conversation, and the KDA states at the end of the last prompt (" +
                                           human_bytes(double(engine.mark_bytes())) + ")").c_str()
                                        : ("the live conversation only (the budget has no room for a second copy of the KDA states, " +
