@@ -140,7 +140,7 @@ struct Plan {
 struct UnitBytes {
     std::vector<std::uint64_t> layer_matrix, layer_small;  // per layer
     std::uint64_t lm_head = 0, largest_row = 0;            // largest_row: the widest matrix row (one chunk must hold it)
-    std::uint64_t largest_matrix = 0;                      // no piece is ever larger than this
+    std::uint64_t largest_matrix = 0, experts = 0;         // no piece exceeds largest_matrix; experts: cacheable (0: all)
 };
 
 inline bool is_matrix_dtype(DType d) { return d == DType::BF16 || d == DType::F16 || d == DType::F32; }
@@ -203,12 +203,12 @@ inline std::string plan_error_floor(const Plan& p) {
 }
 
 // Decides the plan. Order of priorities, each justified by a measurement (this project's, or kimi-k3-in-c's
-// published ones): (1) the floor: carried
-// state, latent KV cache, small tensors, work buffers, three ring slots (two reads in flight while the
-// consumer holds a third), two expert slots; (2) bigger chunks (streaming throughput); (3) pin units largest first (every pinned byte is a
-// byte not read per token; giving memory to the trunk first measured 1.69x faster than to the expert
-// cache); (4) expert cache slots (the cache retained nothing below ~36 GB on K3, so it comes after the
-// trunk); (5) the embedding table (resident, it saves one row read per token: the least per byte).
+// published ones): (1) the floor: carried state, latent KV cache, small tensors, work buffers, three ring
+// slots (two reads in flight while the consumer holds a third), two expert slots; (2) bigger chunks (streaming
+// throughput); (3) pin units largest first (every pinned byte is a byte not read per token; giving memory to
+// the trunk first measured 1.69x faster than to the expert cache); (4) expert cache slots (the cache retained
+// nothing below ~36 GB on K3, so it comes after the trunk); (5) the embedding table (resident, it saves one
+// row read per token: the least per byte). `u` may be one MPI rank's share of the model (chapter 17.6).
 inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o, const UnitBytes& u) {
     Plan p;
     p.budget = budget;
@@ -278,11 +278,11 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
             if (l < 0) p.lm_head_pinned = true;
             else p.pinned[std::size_t(l)] = true;
         }
-    // (4) expert cache slots: at least k + 1 to be a cache at all
+    // (4) expert cache slots: at least k + 1 to be a cache at all (or every expert there is to hold)
     if (!o.expert_slots && c.moe_layer_count() > 0) {
-        const std::size_t more = std::size_t(spare / expert_slot);
-        const std::size_t total = std::min<std::size_t>(p.expert_slots + more, std::size_t(c.num_experts) * std::size_t(c.moe_layer_count()));
-        if (total >= std::size_t(c.num_experts_per_token) + 1) {
+        const std::size_t all = u.experts ? std::size_t(u.experts) : std::size_t(c.num_experts) * std::size_t(c.moe_layer_count());
+        const std::size_t total = std::min<std::size_t>(p.expert_slots + std::size_t(spare / expert_slot), all);
+        if (total > p.expert_slots && (total >= std::size_t(c.num_experts_per_token) + 1 || total == all)) {
             spare -= (total - p.expert_slots) * expert_slot;
             p.expert_slots = total;
             p.expert_bytes = total * expert_slot;

@@ -58,6 +58,18 @@
 //   machines the 1,320 x 15 message steps cost as much as the reads: fusing the products that share an
 //   input (KDA's q, k, v, g, f_a, b; MoE's router and latent_down) into one gather is the next saving.
 //
+// EACH RANK'S PLAN (17.6, `kimik3-mpi plan MODEL --ranks N --budget SIZE`; arithmetic only, no MPI)
+//   rank_shares gives each rank's share in chapter 12's units: its rows of every matrix (kv_b_proj and the
+//   small tensors whole), its owned experts as the most the expert cache may hold; make_plan, unchanged,
+//   then decides what of that share the rank pins at its own budget and what it streams. Full K3 (--config
+//   fixtures/k3-release/config.json), 8 ranks at 24 GB: each rank's share is 14.42 GB of matrix rows and
+//   10,304 experts (180.8 GB); its plan pins all 93 layers and the lm_head and caches 471 of its experts
+//   (one process at 24 GB pins 15 of 93 layers). Little K3 at 4 ranks: 1.95 MB of rows each (7.45 MB on
+//   one), every rank all resident from 20.5 MB. What the run does today: a rank's expert cache already
+//   holds only experts it owns (chapter 10 asks it for no other), but its trunk is still planned, pinned
+//   and streamed whole at its --budget (it computes only its rows, reading all of them): following the
+//   rank's plan there is the open item (README).
+//
 // NUMERICS CONTRACT
 //   Bit-identical logits at every rank count and every thread count per rank (each rank splits its own
 //   rows over its threads, chapter 00). No MPI reduction is used anywhere: MPI_SUM's order is the
@@ -71,14 +83,14 @@
 // SOURCES  Megatron-LM (Shoeybi et al., arXiv:1909.08053): row/column tensor parallelism; GShard
 //          (Lepikhin et al., arXiv:2006.16668): expert parallelism; Thakur, Rabenseifner, Gropp,
 //          "Optimization of collective communication operations in MPICH" (2005): the ring allgather.
-// USES     chapters 04, 08, 10 (the two hooks), 13
+// USES     chapters 04, 08, 10 (the two hooks), 12 (make_plan: each rank's plan), 13
 // RUN      make run-17 (one rank), mpirun -np 3 build/g++/examples/17_mpi (the same transcript), and the
 //          whole CLI: mpirun -np 3 build/g++/kimik3-mpi run fixtures/little-k3 --prompt "..." --gen 8
 // TEST     make test (tests/mpi.sh: logits hashes at 1-4 ranks against kimik3; skipped without MPI)
 //
 // SECTIONS
 //   17.1 the share of a rank   17.2 rows over ranks   17.3 experts over ranks   17.4 faults
-//   17.5 traffic, each rank's share, and the cost model
+//   17.5 traffic and the cost model   17.6 each rank's share and plan
 // ====================================================================================================
 #pragma once
 
@@ -273,13 +285,19 @@ class MpiJob {
 // ---------------------------------------------------------------------------------------------------
 // 17.5 Traffic per token from the config, and the cost model
 // ---------------------------------------------------------------------------------------------------
+// Per token (one decode step): collectives, floats gathered, and what rank `rank` of `ranks` receives of
+// them at most (exactly every product's rows but its own; the expert exchange whole, which it receives
+// when it owns none of the token's experts).
 struct MpiTraffic {
-    std::uint64_t collectives = 0, floats = 0;  // per token (one decode step)
+    std::uint64_t collectives = 0, floats = 0, received = 0;
 };
 
-inline MpiTraffic mpi_traffic(const Config& c) {
+inline MpiTraffic mpi_traffic(const Config& c, int rank = 0, int ranks = 1) {
     MpiTraffic t;
-    auto product = [&](std::uint64_t rows) { t.collectives += 1, t.floats += rows; };
+    auto product = [&](std::uint64_t rows) {
+        const Share sh = rank_share(rows, rank, ranks);
+        t.collectives += 1, t.floats += rows, t.received += rows - (sh.end - sh.begin);
+    };
     const std::uint64_t D = std::uint64_t(c.hidden_size), P = std::uint64_t(c.kda_width()), H = std::uint64_t(c.num_attention_heads);
     for (const LayerPlan& l : c.layers) {
         if (l.attn == AttnKind::KDA) {
@@ -295,38 +313,12 @@ inline MpiTraffic mpi_traffic(const Config& c) {
             for (std::uint64_t rows : {std::uint64_t(c.num_experts), std::uint64_t(c.routed_expert_hidden_size), D}) product(rows);
             if (c.num_shared_experts > 0)
                 for (std::uint64_t rows : {std::uint64_t(c.shared_width()), std::uint64_t(c.shared_width()), D}) product(rows);
-            product(std::uint64_t(c.num_experts_per_token) * std::uint64_t(c.routed_expert_hidden_size));  // the expert exchange
+            const std::uint64_t exchange = std::uint64_t(c.num_experts_per_token) * std::uint64_t(c.routed_expert_hidden_size);
+            t.collectives += 1, t.floats += exchange, t.received += ranks > 1 ? exchange : 0;  // the expert exchange
         }
     }
     product(std::uint64_t(c.vocab_size));  // lm_head
     return t;
-}
-
-// What each rank holds of a checkpoint: its rows of every matrix `linear` multiplies by (MLA's kv_b_proj,
-// read by the absorbed form's own kernels, whole on every rank) and the routed experts it owns. This is
-// the share a rank-aware plan would pin; today's engine still plans (and streams) every row (README).
-struct RankShareBytes {
-    std::uint64_t trunk = 0, experts = 0, expert_bytes = 0;
-};
-inline std::vector<RankShareBytes> rank_shares(const ModelTensors& m, int ranks) {
-    std::vector<RankShareBytes> out(static_cast<std::size_t>(ranks));
-    auto matrix = [&](const Checkpoint::Ref* r, bool split) {
-        const std::uint64_t rows = std::uint64_t(r->info->shape[0]), row_bytes = r->info->nbytes() / rows;
-        for (int k = 0; k < ranks; ++k) {
-            const Share sh = split ? rank_share(rows, k, ranks) : Share{0, rows};
-            out[std::size_t(k)].trunk += (sh.end - sh.begin) * row_bytes;
-        }
-    };
-    for (const LayerTensors& lt : m.layers)
-        for (const Checkpoint::Ref* r : lt.all)
-            if (is_streamable_matrix(*r->info)) matrix(r, r != lt.kv_b_proj);
-    matrix(m.lm_head, true);
-    for (std::size_t l = 0; l < m.experts.size(); ++l)
-        for (std::size_t e = 0; e < m.experts[l].size(); ++e) {
-            RankShareBytes& o = out[std::size_t(expert_owner(int(l), int(e), ranks))];
-            o.experts += 1, o.expert_bytes += m.experts[l][e].bytes();
-        }
-    return out;
 }
 
 // What one machine is assumed to have (the defaults: a desktop with dual-channel DDR5 and one NVMe).
@@ -381,6 +373,113 @@ inline std::string describe_cost(const Config& c, const Census& s) {
         std::snprintf(line, sizeof line, "%8d %8.1f%% %9.3f %9.3f %9.3f %11.3f %11.3f %11.3f\n", n, 100 * k[0].hit, k[0].trunk, k[0].experts,
                       k[0].comm, k[0].total(), k[1].total(), k[2].total());
         out += line;
+    }
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 17.6 Each rank's share, and chapter 12's planner fed with it
+// ---------------------------------------------------------------------------------------------------
+// What a rank holds of a model: its rows of every matrix `linear` multiplies by (MLA's kv_b_proj, read by
+// the absorbed form's own kernels, whole on every rank; the small tensors whole too: everything else runs
+// replicated) and the routed experts it owns. `units` is that share in chapter 12's terms, so that
+// make_plan, unchanged, decides what of it a rank pins at its budget and what it streams.
+struct RankShare {
+    UnitBytes units;                              // the rank's rows of each layer's matrices and of the lm_head
+    std::uint64_t trunk = 0;                      // their bytes (units' matrices + lm_head)
+    std::uint64_t experts = 0, expert_bytes = 0;  // the routed experts it owns, and their bytes
+    std::uint64_t expert_reads = 0;               // per token at most: per MoE layer, min(k, experts owned there)
+    double expert_reads_mean = 0;                 // per token with uniform routing: k / E of the experts owned
+};
+
+namespace detail {
+// One layer tensor (l < 0: the lm_head) into every rank's share: a matrix by rows (kv_b_proj whole).
+inline void add_rank_tensor(std::vector<RankShare>& out, int l, DType dtype, const Shape& shape, bool split) {
+    const int ranks = int(out.size());
+    for (int k = 0; k < ranks; ++k) {
+        RankShare& r = out[std::size_t(k)];
+        if (!is_streamable_matrix(dtype, shape)) {
+            r.units.layer_small[std::size_t(l)] += small_resident_bytes(shape);
+            continue;
+        }
+        const std::uint64_t rows = std::uint64_t(shape[0]), row_bytes = std::uint64_t(shape.numel()) / rows * dtype_size(dtype);
+        const Share sh = split ? rank_share(rows, k, ranks) : Share{0, rows};
+        const std::uint64_t bytes = (sh.end - sh.begin) * row_bytes;
+        (l < 0 ? r.units.lm_head : r.units.layer_matrix[std::size_t(l)]) += bytes;
+        r.trunk += bytes;
+        r.units.largest_row = std::max(r.units.largest_row, row_bytes);
+        r.units.largest_matrix = std::max(r.units.largest_matrix, bytes);
+    }
+}
+// The routed experts of every MoE layer (experts[l] of them, `bytes` each) to their owners.
+inline void add_rank_experts(std::vector<RankShare>& out, const std::vector<std::size_t>& experts, std::uint64_t bytes, int k) {
+    const int ranks = int(out.size());
+    for (std::size_t l = 0; l < experts.size(); ++l) {
+        std::vector<std::uint64_t> owned(out.size(), 0);
+        for (std::size_t e = 0; e < experts[l]; ++e) owned[std::size_t(expert_owner(int(l), int(e), ranks))] += 1;
+        for (std::size_t r = 0; r < out.size(); ++r) {
+            out[r].experts += owned[r], out[r].expert_bytes += owned[r] * bytes;
+            out[r].expert_reads += std::min<std::uint64_t>(owned[r], std::uint64_t(k)) * bytes;
+            if (experts[l] > 0) out[r].expert_reads_mean += double(k) * double(owned[r]) / double(experts[l]) * double(bytes);
+            out[r].units.experts = out[r].experts;
+        }
+    }
+}
+inline std::vector<RankShare> empty_shares(std::size_t layers, int ranks) {
+    if (ranks < 1) fail(ErrorKind::usage, "ranks: at least 1 (got " + std::to_string(ranks) + ")");
+    std::vector<RankShare> out(static_cast<std::size_t>(ranks));
+    for (RankShare& r : out) r.units.layer_matrix.assign(layers, 0), r.units.layer_small.assign(layers, 0);
+    return out;
+}
+}  // namespace detail
+
+// Of a bound checkpoint, with every tensor's real dtype.
+inline std::vector<RankShare> rank_shares(const Config& c, const ModelTensors& m, int ranks) {
+    std::vector<RankShare> out = detail::empty_shares(m.layers.size(), ranks);
+    for (std::size_t l = 0; l < m.layers.size(); ++l)
+        for (const Checkpoint::Ref* r : m.layers[l].all) detail::add_rank_tensor(out, int(l), r->info->dtype, r->info->shape, r != m.layers[l].kv_b_proj);
+    detail::add_rank_tensor(out, -1, m.lm_head->info->dtype, m.lm_head->info->shape, true);
+    std::vector<std::size_t> experts;
+    for (const std::vector<ExpertLocation>& layer : m.experts) experts.push_back(layer.size());
+    detail::add_rank_experts(out, experts, m.expert_bytes, c.num_experts_per_token);
+    return out;
+}
+
+// Of a release-layout checkpoint of this config (release dtypes): `kimik3-mpi plan --config`.
+inline std::vector<RankShare> rank_shares(const Config& c, const Census& s, int ranks) {
+    std::vector<RankShare> out = detail::empty_shares(std::size_t(c.num_hidden_layers), ranks);
+    std::vector<std::size_t> experts;
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+        for (const Expected& e : expected_layer_tensors(c, l)) detail::add_rank_tensor(out, l, e.dtypes[0], e.shape, e.member != &LayerTensors::kv_b_proj);
+        experts.push_back(c.layers[std::size_t(l)].ffn == FfnKind::Dense ? 0 : std::size_t(c.num_experts));
+    }
+    detail::add_rank_tensor(out, -1, DType::BF16, Shape{c.vocab_size, c.hidden_size}, true);
+    detail::add_rank_experts(out, experts, s.expert_bytes, c.num_experts_per_token);
+    return out;
+}
+
+// A rank's plan: chapter 12's, of its share at its own budget. Resident: what it holds (plan.total());
+// streamed per token: plan.trunk_read_per_token, and of its experts at most share.expert_reads (set as the
+// plan's expert_read_per_token), expected expert_streamed(): uniform routing, and a cache of S slots over
+// its E experts hitting S / E of them (mpi_cost's assumption; none missed once every owned expert has a
+// slot and has been read once; no hits below k + 1 slots). Every rank takes part in every collective.
+struct RankPlan {
+    RankShare share;
+    Plan plan;
+    bool all_resident() const { return plan.trunk_read_per_token == 0 && plan.expert_slots >= share.experts; }
+    double expert_streamed(int k) const {  // k: experts per token
+        if (plan.expert_slots >= share.experts) return 0;
+        const double hit = plan.expert_slots > std::size_t(k) ? double(plan.expert_slots) / double(share.experts) : 0.0;
+        return share.expert_reads_mean * (1 - hit);
+    }
+};
+inline std::vector<RankPlan> rank_plans(const Config& c, const Census& s, std::uint64_t budget, const PlanOptions& o,
+                                        const std::vector<RankShare>& shares) {
+    std::vector<RankPlan> out;
+    for (const RankShare& sh : shares) {
+        RankPlan r{sh, make_plan(c, s, budget, o, sh.units)};
+        r.plan.expert_read_per_token = sh.expert_reads;
+        out.push_back(r);
     }
     return out;
 }

@@ -1,7 +1,7 @@
 // kimik3-mpi: kimik3 run over N MPI ranks (chapter 17), and the cost model's table.
 //
 //   mpirun -np N kimik3-mpi run MODEL_DIR ...   kimik3 run's options; every rank computes its share, rank 0 prints
-//   kimik3-mpi plan MODEL_DIR --ranks N          each rank's rows, experts and traffic
+//   kimik3-mpi plan MODEL_DIR --ranks N [--budget SIZE]   each rank's share, and its plan at a budget
 //   kimik3-mpi cost [CONFIG_JSON]               projected seconds per token of a config on 2-16 machines
 //
 // A separate program (make build/g++/kimik3-mpi, built with mpicxx) so that kimik3 itself needs no MPI.
@@ -24,7 +24,9 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: mpirun -np N kimik3-mpi run MODEL_DIR [kimik3 run's options]\n"
-    "       kimik3-mpi plan MODEL_DIR --ranks N   what each rank computes and holds, and the traffic per token\n"
+    "       kimik3-mpi plan (MODEL_DIR | --config CONFIG.json) --ranks N [--budget SIZE|floor] [--context N]\n"
+    "           what each rank computes and holds, its floor, the budget that holds all of its share, and the\n"
+    "           traffic per token; with --budget, each rank's plan at that budget (resident, streamed, messages)\n"
     "       kimik3-mpi cost [CONFIG_JSON]   (default fixtures/k3-release/config.json)\n"
     "environment: KIMIK3_MPI_STATS=1 makes rank 0 print each rank's messages, floats and MPI seconds\n";
 
@@ -34,20 +36,70 @@ int cost(const std::string& path) {
     return kExitOk;
 }
 
-int plan(const std::string& dir, int ranks) {
+// The smallest budget at which every one of a rank's bytes is resident (bisection over make_plan).
+std::uint64_t resident_from(const Config& c, const Census& s, const PlanOptions& o, const RankShare& sh) {
+    auto resident = [&](std::uint64_t b) {
+        const Plan p = rank_plans(c, s, b, o, {sh})[0].plan;
+        return p.budget >= p.floor && RankPlan{sh, p}.all_resident();
+    };
+    std::uint64_t lo = rank_plans(c, s, kBudgetFloor, o, {sh})[0].plan.floor, hi = std::uint64_t(1) << 62;
+    if (resident(lo)) return lo;
+    while (hi - lo > 1) {  // resident(hi), not resident(lo)
+        const std::uint64_t mid = lo + (hi - lo) / 2;
+        (resident(mid) ? hi : lo) = mid;
+    }
+    return hi;
+}
+
+int plan(const std::string& model, const std::string& config_path, int ranks, const std::string& budget, const std::string& context) {
     if (ranks < 1 || ranks > 4096) throw Usage("--ranks " + std::to_string(ranks) + " is outside 1..4096\n");
-    const Config c = load_config(dir);
-    Checkpoint ck(dir);
-    const ModelTensors m = bind_tensors(ck, c);
-    const std::vector<RankShareBytes> shares = rank_shares(m, ranks);
+    const Config c = load_config(config_path.empty() ? model : config_path);
+    Census s;
+    std::vector<RankShare> shares;
+    if (config_path.empty()) {
+        Checkpoint ck(model);
+        const ModelTensors m = bind_tensors(ck, c);
+        s = take_census(ck, c, m), shares = rank_shares(c, m, ranks);
+    } else {
+        s = config_census(c), shares = rank_shares(c, s, ranks);
+    }
+    PlanOptions o;
+    if (!context.empty()) o.context = std::uint64_t(parse_count(context, "--context", kUsage, kMaxPositions));
+    const std::vector<RankPlan> floors = rank_plans(c, s, kBudgetFloor, o, shares);
+    std::printf("the split of %s over %d ranks: each computes its rows of every matrix and the experts it owns\n",
+                (config_path.empty() ? model : config_path).c_str(), ranks);
+    std::printf("%6s %18s %16s %16s %12s %16s\n", "rank", "matrix rows", "experts owned", "expert bytes", "floor", "all resident at");
+    for (int r = 0; r < ranks; ++r) {
+        const RankShare& sh = shares[std::size_t(r)];
+        std::printf("%6d %18s %16llu %16s %12s %16s\n", r, human_bytes(double(sh.trunk)).c_str(), (unsigned long long)sh.experts,
+                    human_bytes(double(sh.expert_bytes)).c_str(), human_bytes(double(floors[std::size_t(r)].plan.floor)).c_str(),
+                    human_bytes(double(resident_from(c, s, o, sh))).c_str());
+    }
     const MpiTraffic t = mpi_traffic(c);
-    std::printf("the split of %s over %d ranks: each computes its rows of every matrix and the experts it owns\n", dir.c_str(), ranks);
-    std::printf("%6s %18s %16s %16s\n", "rank", "matrix rows", "experts owned", "expert bytes");
-    for (int r = 0; r < ranks; ++r)
-        std::printf("%6d %18s %16llu %16s\n", r, human_bytes(double(shares[std::size_t(r)].trunk)).c_str(),
-                    (unsigned long long)shares[std::size_t(r)].experts, human_bytes(double(shares[std::size_t(r)].expert_bytes)).c_str());
     std::printf("per token: %llu gathers, %.1f kB gathered, a rank receiving %.1f kB of it\n", (unsigned long long)t.collectives,
                 double(t.floats) * 4 / 1e3, double(t.floats) * 4 / 1e3 * (ranks - 1) / ranks);
+    if (budget.empty()) return kExitOk;
+    const std::uint64_t b = budget == "floor" ? kBudgetFloor : parse_size(budget);
+    const std::vector<RankPlan> plans = rank_plans(c, s, b, o, shares);
+    for (int r = 0; r < ranks; ++r)
+        if (plans[std::size_t(r)].plan.budget < plans[std::size_t(r)].plan.floor)
+            fail(ErrorKind::budget, "rank " + std::to_string(r) + " of " + std::to_string(ranks) + ": " + plan_error_floor(plans[std::size_t(r)].plan));
+    std::printf("each rank at %s (chapter 12's plan of its share; what it streams per token, from its own disk)\n",
+                budget == "floor" ? "its floor" : ("a budget of " + human_bytes(double(b))).c_str());
+    std::printf("%6s %12s %10s %8s %10s %14s %14s %10s %14s %6s\n", "rank", "resident", "layers", "lm_head", "experts", "trunk/token",
+                "experts/token", "messages", "received", "all");
+    for (int r = 0; r < ranks; ++r) {
+        const RankPlan& rp = plans[std::size_t(r)];
+        const MpiTraffic mine = mpi_traffic(c, r, ranks);
+        std::printf("%6d %12s %6d/%-3d %8s %5zu/%-4llu %14s %14s %10llu %14s %6s\n", r, human_bytes(double(rp.plan.total())).c_str(),
+                    rp.plan.pinned_layers(), c.num_hidden_layers, rp.plan.lm_head_pinned ? "pinned" : "streamed", rp.plan.expert_slots,
+                    (unsigned long long)rp.share.experts, human_bytes(double(rp.plan.trunk_read_per_token)).c_str(),
+                    human_bytes(rp.expert_streamed(c.num_experts_per_token)).c_str(), (unsigned long long)mine.collectives,
+                    human_bytes(double(mine.received) * 4).c_str(), rp.all_resident() ? "yes" : "no");
+    }
+    std::printf("(layers: pinned of all; experts: cache slots / experts owned; experts/token: expected with uniform routing, at most\n"
+                " %s; messages: collectives per token; received: floats from the other ranks, at most)\n",
+                human_bytes(double(plans[0].plan.expert_read_per_token)).c_str());
     return kExitOk;
 }
 
@@ -77,9 +129,11 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "plan") {
         try {
-            const std::string ranks = take_option(args, "--ranks", kUsage);
-            if (args.size() != 2 || ranks.empty()) throw Usage(std::string("plan takes MODEL_DIR and --ranks N\n") + kUsage);
-            return plan(args[1], int(parse_count(ranks, "--ranks", kUsage, 4096)));
+            const std::string ranks = take_option(args, "--ranks", kUsage), config = take_option(args, "--config", kUsage),
+                              budget = take_option(args, "--budget", kUsage), context = take_option(args, "--context", kUsage);
+            if (args.size() != (config.empty() ? 2u : 1u) || ranks.empty())
+                throw Usage(std::string("plan takes MODEL_DIR (or --config CONFIG.json) and --ranks N\n") + kUsage);
+            return plan(config.empty() ? args[1] : "", config, int(parse_count(ranks, "--ranks", kUsage, 4096)), budget, context);
         } catch (const Usage& e) {
             return std::fprintf(stderr, "kimik3-mpi plan: %s", e.what()), kExitUsage;
         } catch (const Error& e) {

@@ -84,7 +84,18 @@ expect "kimik3-mpi cost: the full K3 on 8 machines of 24 GB over 10 GbE under 2 
 
 expect "kimik3-mpi plan: 3 ranks own the little K3's 8 x 32 experts, 85 or 86 each" 0 "" \
     sh -c "'$mpi_bin' plan $model --ranks 3 | awk '\$1 ~ /^[0-2]\$/ { n++; s += \$4; if (\$4 < 85 || \$4 > 86) bad = 1 } END { exit !(n == 3 && s == 256 && !bad) }'"
-expect "kimik3-mpi plan without --ranks is refused" 2 "plan takes MODEL_DIR and --ranks N" "$mpi_bin" plan "$model"
+# each rank's plan (chapter 12's planner on the rank's share): at a large budget every rank holds all of it,
+# at its floor it pins nothing, below the floor the rank is named, and the full K3's trunk fits 8 x 24 GB
+expect "kimik3-mpi plan --ranks 4 --budget 1T: every rank all resident, 9 of 9 layers and the lm_head pinned" 0 "" \
+    sh -c "'$mpi_bin' plan $model --ranks 4 --budget 1T | awk '/^ +rank +resident/ { t = 1; next } t && \$1 ~ /^[0-3]\$/ { n++; if (\$4 == \"9/9\" && \$5 == \"pinned\" && \$NF == \"yes\") ok++ } END { exit !(n == 4 && ok == 4) }'"
+expect "kimik3-mpi plan --ranks 4 --budget floor: every rank streams its share" 0 "" \
+    sh -c "'$mpi_bin' plan $model --ranks 4 --budget floor | awk '/^ +rank +resident/ { t = 1; next } t && \$1 ~ /^[0-3]\$/ { n++; if (\$4 == \"0/9\" && \$5 == \"streamed\" && \$NF == \"no\") ok++ } END { exit !(n == 4 && ok == 4) }'"
+expect "kimik3-mpi plan: a rank's share of the little K3's matrices is about a quarter at 4 ranks" 0 "" \
+    sh -c "one=\$('$mpi_bin' plan $model --ranks 1 | awk '\$1 == 0 { print \$2 }'); '$mpi_bin' plan $model --ranks 4 | awk -v one=\$one '\$1 ~ /^[0-3]\$/ { n++; if (\$2 > one / 4 && \$2 < one / 3.5) ok++ } END { exit !(n == 4 && ok == 4) }'"
+expect "kimik3-mpi plan below a rank's floor names the rank, exit 3" 3 "rank 0 of 4: budget .* is below the floor" "$mpi_bin" plan "$model" --ranks 4 --budget 1M
+expect "kimik3-mpi plan --config K3 --ranks 8 --budget 24G: every rank pins all 93 layers of its share" 0 "" \
+    sh -c "'$mpi_bin' plan --config fixtures/k3-release/config.json --ranks 8 --budget 24G | awk '/^ +rank +resident/ { t = 1; next } t && \$1 ~ /^[0-7]\$/ { n++; if (\$4 == \"93/93\" && \$5 == \"pinned\") ok++ } END { exit !(n == 8 && ok == 8) }'"
+expect "kimik3-mpi plan without --ranks is refused" 2 "plan takes MODEL_DIR \(or --config CONFIG.json\) and --ranks N" "$mpi_bin" plan "$model"
 expect "kimik3-mpi plan of a directory without a model names the file" 2 "config.json" "$mpi_bin" plan "$tmp" --ranks 2
 
 # (4) example 17 prints its transcript at any rank count (make check-examples runs it as one rank)

@@ -4,8 +4,10 @@
 // uninstalled: the single-process engine) and checks their hash against the pinned
 // fixtures/*/engine_tf_logits.hash (test 13.3); (b) the same logits over the N ranks, everything
 // resident, equal them bit for bit; (c) at the smallest budget (every matrix streamed, 2 expert slots)
-// too; (d) one decode step sends exactly the collectives and floats mpi_traffic counts from the config.
+// too; (d) one decode step sends exactly the collectives and floats mpi_traffic counts from the config,
+// and this rank receives what it counts for a rank; (e) each rank's plan (17.6, arithmetic: no MPI).
 // Rank 0 prints "kimik3-tests: mpi-N-ranks-tT P passed, F failed" (tests/run.sh reads it).
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -36,6 +38,59 @@ std::vector<float> tf(const std::string& dir, const ModelOptions& o, const std::
     return teacher_force(m, s, ids, 32);
 }
 
+// (e) chapter 12's planner fed with each rank's share (17.6), no MPI needed: at 1 rank the share is the
+// model and the plan is the single process's; at N ranks the shares add up to the model (kv_b_proj once
+// per rank), each rank's trunk is its 1/N within a row per matrix, and its plan differs from one process's
+// only by the bytes it does not hold; with enough budget every rank holds all of its share.
+void plan_gates(int rank, const Model& m, const std::string& rel) {
+    const Config& c = m.config;
+    const UnitBytes whole = unit_bytes(m.tensors);
+    std::uint64_t trunk = whole.lm_head, kv_b = 0, matrices = 1, row_max = whole.largest_row;
+    for (std::uint64_t b : whole.layer_matrix) trunk += b;
+    for (const LayerTensors& lt : m.tensors.layers) {
+        for (const Checkpoint::Ref* r : lt.all) matrices += is_streamable_matrix(*r->info);
+        if (lt.kv_b_proj) kv_b += lt.kv_b_proj->info->nbytes();
+    }
+    const std::uint64_t experts = std::uint64_t(c.num_experts) * std::uint64_t(c.moe_layer_count());
+    const std::vector<RankShare> one = rank_shares(c, m.tensors, 1);
+    const RankShare& o = one[0];
+    check(o.units.layer_matrix == whole.layer_matrix && o.units.layer_small == whole.layer_small && o.units.lm_head == whole.lm_head &&
+              o.units.largest_row == whole.largest_row && o.units.largest_matrix == whole.largest_matrix && o.trunk == trunk &&
+              o.experts == experts && o.expert_bytes == experts * m.tensors.expert_bytes,
+          rank, rel + ": one rank's share is the whole model");
+    const std::uint64_t floor1 = make_plan(c, m.census, kBudgetFloor, PlanOptions{}, whole).floor;
+    for (std::uint64_t budget : {kBudgetFloor, floor1 + (4u << 20), std::uint64_t(1) << 40}) {
+        const Plan a = make_plan(c, m.census, budget, PlanOptions{}, whole), b = rank_plans(c, m.census, budget, PlanOptions{}, one)[0].plan;
+        check(a.floor == b.floor && a.total() == b.total() && a.pinned == b.pinned && a.expert_slots == b.expert_slots &&
+                  a.trunk_read_per_token == b.trunk_read_per_token && a.expert_read_per_token == b.expert_read_per_token,
+              rank, rel + ": one rank's plan is the single process's at " + std::to_string(budget));
+    }
+    const Plan all1 = rank_plans(c, m.census, std::uint64_t(1) << 40, PlanOptions{}, one)[0].plan;
+    for (int n : {2, 3, 4, 7}) {
+        const std::vector<RankShare> shares = rank_shares(c, m.tensors, n);
+        const std::vector<RankPlan> floors = rank_plans(c, m.census, kBudgetFloor, PlanOptions{}, shares);
+        const std::vector<RankPlan> all = rank_plans(c, m.census, std::uint64_t(1) << 40, PlanOptions{}, shares);
+        std::uint64_t sum = 0, owned = 0;
+        for (int r = 0; r < n; ++r) {
+            const RankShare& sh = shares[std::size_t(r)];
+            const Plan& f = floors[std::size_t(r)].plan;
+            const Plan& p = all[std::size_t(r)].plan;
+            sum += sh.trunk, owned += sh.experts;
+            const std::string at = rel + ", rank " + std::to_string(r) + " of " + std::to_string(n) + ": ";
+            const double split = double(sh.trunk) - double(kv_b) - double(trunk - kv_b) / n;  // its rows, less 1/N of them
+            check(std::abs(split) <= double(matrices * row_max), rank, at + "trunk share " + std::to_string(sh.trunk) + " is not 1/N of " + std::to_string(trunk));
+            check(f.floor <= floor1 &&
+                      f.pinned_layers() == 0 && !f.lm_head_pinned && f.trunk_read_per_token == sh.trunk + m.census.embed_bytes / std::uint64_t(c.vocab_size),
+                  rank, at + "at its floor it streams its share, and the floor is below one process's");
+            check(all[std::size_t(r)].all_resident() && p.pinned_bytes == sh.trunk && p.expert_slots == sh.experts &&
+                      p.total() - p.pinned_bytes - p.expert_bytes == all1.total() - all1.pinned_bytes - all1.expert_bytes,
+                  rank, at + "with enough budget it holds all of its share and nothing else more than one process");
+        }
+        check(sum == trunk + std::uint64_t(n - 1) * kv_b && owned == experts, rank,
+              rel + ": the " + std::to_string(n) + " shares add up to the model: " + std::to_string(sum) + " trunk bytes, " + std::to_string(owned) + " experts");
+    }
+}
+
 void gates(MpiJob& job, const std::string& rel) {
     const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/" + rel;
     const std::vector<std::int64_t> ids = to_i64(SafetensorsFile(dir + "/reference/model.safetensors").read("tf_ids"));
@@ -57,6 +112,8 @@ void gates(MpiJob& job, const std::string& rel) {
     const std::vector<float> streamed = tf(dir, floor, ids);
     check(hash_of(streamed) == hash_of(alone), job.rank(), rel + ": at the floor over the ranks, hash " + hex(hash_of(streamed)));
 
+    plan_gates(job.rank(), probe, rel);  // (e)
+
     Session s(probe.config, 64);  // (d) one decode step's traffic
     std::vector<float> logits(std::size_t(probe.config.vocab_size));
     const std::int64_t id = ids[0];
@@ -68,6 +125,14 @@ void gates(MpiJob& job, const std::string& rel) {
           rel + ": one step sent " + std::to_string(after.collectives - before.collectives) + " collectives, " +
               std::to_string(after.floats_gathered - before.floats_gathered) + " floats; mpi_traffic says " + std::to_string(t.collectives) + ", " +
               std::to_string(t.floats));
+    // what this rank received: every product's rows but its own, and of the expert exchange what it does not own
+    const MpiTraffic mine = mpi_traffic(probe.config, job.rank(), job.ranks());
+    const Config& c = probe.config;
+    const std::uint64_t exchange = job.ranks() > 1 ? std::uint64_t(c.moe_layer_count() * c.num_experts_per_token * c.routed_expert_hidden_size) : 0;
+    const std::uint64_t got = after.floats_received - before.floats_received;
+    check(got <= mine.received && got + exchange >= mine.received, job.rank(),
+          rel + ": one step received " + std::to_string(got) + " floats; mpi_traffic says at most " + std::to_string(mine.received) + ", at least " +
+              std::to_string(mine.received - exchange));
 }
 
 }  // namespace
