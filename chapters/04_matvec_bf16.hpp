@@ -437,6 +437,8 @@ struct RowStream {
     // Calls f(r0, r1, rows) for consecutive chunks that cover [0, total rows) in order; `rows` points at
     // row r0 (in the matrix's WeightType) and stays valid until f returns.
     virtual void for_each_chunk(const std::function<void(std::size_t r0, std::size_t r1, const void* rows)>& f) = 0;
+    // Rows [b, e) alone, read without the others, where the stream can (chapter 17: a rank's rows); false: it cannot.
+    virtual bool for_each_chunk_in(std::size_t, std::size_t, const std::function<void(std::size_t, std::size_t, const void*)>&) { return false; }
 };
 
 struct MatrixRef {
@@ -453,6 +455,16 @@ inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size
     if (w.data) return f(0, w.rows, w.data);
     if (!w.stream) fail(ErrorKind::runtime, "for_each_rows: a matrix with neither data nor a stream");
     w.stream->for_each_chunk(f);
+}
+// Rows [b, e) of W only (chapter 17: a rank's share): read alone where the stream can, else cut from its chunks.
+inline void for_each_rows(const MatrixRef& w, std::size_t b, std::size_t e, const std::function<void(std::size_t, std::size_t, const void*)>& f) {
+    if (b >= e) return;
+    if (w.data) return f(b, e, static_cast<const std::byte*>(w.data) + b * w.row_bytes());
+    if (w.stream && w.stream->for_each_chunk_in(b, e, f)) return;
+    for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
+        const std::size_t a = std::max(r0, b), z = std::min(r1, e);
+        if (a < z) f(a, z, static_cast<const std::byte*>(rows) + (a - r0) * w.row_bytes());
+    });
 }
 
 // Rows over processes (chapter 17). With a RowSplit installed, `linear` (and chapter 08's) hands it the

@@ -58,9 +58,22 @@ class MatrixStream : public RowStream {
                  std::uint64_t chunk_bytes)
         : ring_(ring), id_(id), src_(src), offset_(offset), rows_(rows), row_bytes_(row_bytes),
           chunk_rows_(std::max<std::size_t>(1, std::size_t(chunk_bytes / row_bytes))) {}
-    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const void*)>& f) override {
-        for (std::size_t r0 = 0, c = 0; r0 < rows_; r0 += chunk_rows_, ++c) {
-            const std::size_t r1 = std::min(rows_, r0 + chunk_rows_);
+    void for_each_chunk(const std::function<void(std::size_t, std::size_t, const void*)>& f) override { read(0, rows_, 0, f); }
+    // Rows [b, e) alone (chapter 17: a rank reads only its rows), in pieces from b. Their keys start at
+    // chunk 2^31, so that a piece of the range never stands for a piece of the whole; one range per stream.
+    bool for_each_chunk_in(std::size_t b, std::size_t e, const std::function<void(std::size_t, std::size_t, const void*)>& f) override {
+        if (b == 0 && e == rows_) return read(0, rows_, 0, f), true;
+        if (range_.second != 0 && range_ != std::pair{b, e})
+            fail(ErrorKind::runtime, "MatrixStream: rows [" + std::to_string(b) + ", " + std::to_string(e) + ") after [" +
+                                         std::to_string(range_.first) + ", " + std::to_string(range_.second) + "): one row range per stream");
+        range_ = {b, e};
+        return read(b, e, 1u << 31, f), true;
+    }
+
+  private:
+    void read(std::size_t b, std::size_t e, std::uint32_t key0, const std::function<void(std::size_t, std::size_t, const void*)>& f) {
+        for (std::size_t r0 = b, c = key0; r0 < e; r0 += chunk_rows_, ++c) {
+            const std::size_t r1 = std::min(e, r0 + chunk_rows_);
             const Piece p{id_, std::uint32_t(c), offset_ + r0 * row_bytes_, (r1 - r0) * row_bytes_, src_};
             const std::byte* bytes = ring_.acquire(p);
             struct Release {  // release even if the computation throws
@@ -72,12 +85,12 @@ class MatrixStream : public RowStream {
         }
     }
 
-  private:
     PieceRing& ring_;
     std::uint32_t id_;
     const PieceSource* src_;
     std::uint64_t offset_;
     std::size_t rows_, row_bytes_, chunk_rows_;
+    std::pair<std::size_t, std::size_t> range_{0, 0};  // the row range read alone, once one was
 };
 
 struct TrunkStats {

@@ -60,15 +60,17 @@
 //
 // EACH RANK'S PLAN (17.6, `kimik3-mpi plan MODEL --ranks N --budget SIZE`; arithmetic only, no MPI)
 //   rank_shares gives each rank's share in chapter 12's units: its rows of every matrix (kv_b_proj and the
-//   small tensors whole), its owned experts as the most the expert cache may hold; make_plan, unchanged,
-//   then decides what of that share the rank pins at its own budget and what it streams. Full K3 (--config
+//   small tensors whole), its owned experts as the most the expert cache may hold (UnitBytes::experts);
+//   make_plan decides what of that share the rank pins at its own budget and what it streams. K3 (--config
 //   fixtures/k3-release/config.json), 8 ranks at 24 GB: each rank's share is 14.42 GB of matrix rows and
 //   10,304 experts (180.8 GB); its plan pins all 93 layers and the lm_head and caches 471 of its experts
 //   (one process at 24 GB pins 15 of 93 layers). Little K3 at 4 ranks: 1.95 MB of rows each (7.45 MB on
-//   one), every rank all resident from 20.5 MB. What the run does today: a rank's expert cache already
-//   holds only experts it owns (chapter 10 asks it for no other), but its trunk is still planned, pinned
-//   and streamed whole at its --budget (it computes only its rows, reading all of them): following the
-//   rank's plan there is the open item (README).
+//   one), every rank all resident from 20.5 MB. What the run does today: a rank's expert cache holds
+//   only experts it owns (chapter 10 asks it for no other), and a streamed matrix is read only at the
+//   rank's rows (for_each_rows over a range, chapter 12's MatrixStream: at the floor, in 16 KiB pieces,
+//   a rank of 2 reads 3.9 MB per token of the little K3 where one process reads 7.6 MB; mpi_logits
+//   checks it). But the run still plans with the whole model's units and pins whole matrices: pinning
+//   only the share, at the rank's plan, is the open item (README).
 //
 // NUMERICS CONTRACT
 //   Bit-identical logits at every rank count and every thread count per rank (each rank splits its own
@@ -149,8 +151,8 @@ inline void allgather_parts(MpiStats& st, const std::vector<float>& mine, const 
 // ---------------------------------------------------------------------------------------------------
 // The rank computes rows [b, e) of y for every token into mine (T, e - b), with the kernel the engine
 // chose (mm), from W resident or streamed; the gather brings every rank's (T, rows) block; y is then
-// filled block by block. Streamed: the rank's chunks are intersected with its rows (the others are
-// still streamed past: a rank-aware stream is 17's open item, see the README).
+// filled block by block. Streamed, the rank reads its rows alone (chapter 12's MatrixStream reads a row
+// range by itself), whatever the plan pinned (pinning only the share is 17's open item, see the README).
 class MpiRowSplit : public RowSplit {
   public:
     MpiRowSplit(int rank, int ranks) : rank_(rank), ranks_(ranks) {}
@@ -160,16 +162,9 @@ class MpiRowSplit : public RowSplit {
         const Share s = rank_share(w.rows, rank_, ranks_);
         const std::size_t n = s.end - s.begin;
         mine_.assign(tokens * n, 0.0f);
-        if (n > 0 && w.data) {
-            mm(w.type, mine_.data(), x, static_cast<const std::byte*>(w.data) + s.begin * w.row_bytes(), tokens, n, w.cols, n);
-        } else if (n > 0) {
-            for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
-                const std::size_t a = std::max(r0, s.begin), b = std::min(r1, s.end);
-                if (a >= b) return;
-                mm(w.type, mine_.data() + (a - s.begin), x, static_cast<const std::byte*>(rows) + (a - r0) * w.row_bytes(), tokens, b - a,
-                   w.cols, n);
-            });
-        }
+        for_each_rows(w, s.begin, s.end, [&](std::size_t a, std::size_t b, const void* rows) {  // its rows alone, resident or streamed
+            mm(w.type, mine_.data() + (a - s.begin), x, rows, tokens, b - a, w.cols, n);
+        });
         counts_.resize(std::size_t(ranks_));
         for (int r = 0; r < ranks_; ++r) {
             const Share o = rank_share(w.rows, r, ranks_);

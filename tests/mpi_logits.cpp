@@ -5,7 +5,8 @@
 // fixtures/*/engine_tf_logits.hash (test 13.3); (b) the same logits over the N ranks, everything
 // resident, equal them bit for bit; (c) at the smallest budget (every matrix streamed, 2 expert slots)
 // too; (d) one decode step sends exactly the collectives and floats mpi_traffic counts from the config,
-// and this rank receives what it counts for a rank; (e) each rank's plan (17.6, arithmetic: no MPI).
+// and this rank receives what it counts for a rank; (e) each rank's plan (17.6, arithmetic: no MPI);
+// (f) streamed, a rank reads only its rows of every split matrix.
 // Rank 0 prints "kimik3-tests: mpi-N-ranks-tT P passed, F failed" (tests/run.sh reads it).
 #include <cmath>
 #include <cstdio>
@@ -91,6 +92,43 @@ void plan_gates(int rank, const Model& m, const std::string& rel) {
     }
 }
 
+// Trunk bytes the ring reads over `steps` decode steps at the floor (every matrix streamed, in 16 KiB
+// pieces), after one step that teaches the ring its schedule.
+std::uint64_t streamed_bytes(const std::string& dir, const std::vector<std::int64_t>& ids, int steps) {
+    ModelOptions o;
+    o.plan.chunk_bytes = 16 << 10;
+    {
+        Model probe(dir, ModelOptions{});
+        o.budget = make_plan(probe.config, probe.census, 0, o.plan, unit_bytes(probe.tensors)).floor;
+    }
+    Model m(dir, o);
+    Session s(m.config, 64);
+    std::vector<float> logits(std::size_t(m.config.vocab_size));
+    forward(logits.data(), m, s, std::span<const std::int64_t>(&ids[0], 1));
+    const std::uint64_t before = m.trunk().ring_stats().bytes;
+    for (int t = 1; t <= steps; ++t) forward(logits.data(), m, s, std::span<const std::int64_t>(&ids[std::size_t(t)], 1));
+    return m.trunk().ring_stats().bytes - before;
+}
+
+// (f) a rank streams its rows alone: over K steps it reads K x (its share - the whole trunk) fewer bytes
+// than one process (kv_b_proj whole on both, the difference exact but for pieces in flight at the ends)
+void stream_gates(MpiJob& job, const std::string& dir, const std::string& rel, const std::vector<std::int64_t>& ids) {
+    RowSplit* rows = row_split();
+    ExpertSplit* experts = expert_split();
+    row_split() = nullptr, expert_split() = nullptr;
+    const int steps = 4;
+    const std::uint64_t alone = streamed_bytes(dir, ids, steps);
+    row_split() = rows, expert_split() = experts;
+    const std::uint64_t mine = streamed_bytes(dir, ids, steps);
+    Model probe(dir, ModelOptions{});
+    const RankShare sh = rank_shares(probe.config, probe.tensors, job.ranks())[std::size_t(job.rank())];
+    const RankShare whole = rank_shares(probe.config, probe.tensors, 1)[0];
+    const double want = double(alone) - double(steps) * double(whole.trunk - sh.trunk), slack = 2.0 * 3 * (16 << 10) + 2 * 4096;
+    check(std::abs(double(mine) - want) <= slack, job.rank(),
+          rel + ": " + std::to_string(steps) + " steps at the floor streamed " + std::to_string(mine) + " bytes on this rank, " + std::to_string(alone) +
+              " alone; its share says " + std::to_string(std::uint64_t(want)));
+}
+
 void gates(MpiJob& job, const std::string& rel) {
     const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/" + rel;
     const std::vector<std::int64_t> ids = to_i64(SafetensorsFile(dir + "/reference/model.safetensors").read("tf_ids"));
@@ -113,6 +151,7 @@ void gates(MpiJob& job, const std::string& rel) {
     check(hash_of(streamed) == hash_of(alone), job.rank(), rel + ": at the floor over the ranks, hash " + hex(hash_of(streamed)));
 
     plan_gates(job.rank(), probe, rel);  // (e)
+    stream_gates(job, dir, rel, ids);    // (f)
 
     Session s(probe.config, 64);  // (d) one decode step's traffic
     std::vector<float> logits(std::size_t(probe.config.vocab_size));

@@ -263,3 +263,34 @@ TEST_CASE("12.5 embedding rows read on demand equal the resident table's") {
     }
     CHECK(error_of([&] { b.embed_row(rb.data(), 512); }) == "token id 512 is outside the vocabulary (512)");
 }
+
+TEST_CASE("12.5 a streamed matrix reads a row range alone (chapter 17's ranks): the range's bytes, and only them") {
+    test::Tiny tiny;
+    const Census s = take_census(tiny.ck, tiny.config, tiny.tensors);
+    const Plan all = make_plan(tiny.config, s, 1ull << 40, PlanOptions{});
+    PlanOptions small;
+    small.chunk_bytes = 4096;  // several pieces per range
+    Plan floor = make_plan(tiny.config, s, 0, small);
+    floor.budget = floor.floor;
+    TrunkWeights a(tiny.tensors, all, nullptr, true), b(tiny.tensors, floor, nullptr, true);
+    const MatrixRef whole = a.lm_head(), streamed = b.lm_head();
+    REQUIRE(whole.data != nullptr);
+    REQUIRE(streamed.stream != nullptr);
+    const std::size_t rb = whole.row_bytes(), lo = 37, hi = whole.rows - 11;
+    for (int pass = 0; pass < 2; ++pass) {  // the second pass: the ring has learned the range's pieces
+        const std::uint64_t before = b.ring_stats().bytes;
+        std::size_t next = lo, wrong = 0;
+        for_each_rows(streamed, lo, hi, [&](std::size_t r0, std::size_t r1, const void* rows) {
+            wrong += r0 != next || std::memcmp(rows, static_cast<const std::byte*>(whole.data) + r0 * rb, (r1 - r0) * rb) != 0;
+            next = r1;
+        });
+        CHECK(wrong == 0);
+        CHECK(next == hi);
+        if (pass == 0) CHECK(b.ring_stats().bytes - before == (hi - lo) * rb);  // nothing outside the range was read
+    }
+    std::size_t rows = 0;  // the whole matrix still streams whole
+    for_each_rows(streamed, 0, streamed.rows, [&](std::size_t r0, std::size_t r1, const void*) { rows += r1 - r0; });
+    CHECK(rows == streamed.rows);
+    const std::string e = error_of([&] { for_each_rows(streamed, 0, 5, [](std::size_t, std::size_t, const void*) {}); });
+    CHECK(e.find("one row range per stream") != std::string::npos);
+}
