@@ -83,27 +83,34 @@ KIMIK3_TARGET_AVX2 inline float mxfp4_row_avx2(const float* x, const std::uint8_
     return hsum16(lanes);
 }
 
-// The inner loop of 4.3's tiles on AVX2: NR rows x NT tokens, two 8-lane registers per sum.
-struct Avx2Panel {
-    static constexpr int kRows = 2, kTokens = 3;  // 12 sums + 2 weights + 1 input of 16 registers
+// The inner loop of 4.3's tiles on AVX2: NR rows x NT tokens. A sum is two 8-lane registers, lanes 0-7
+// and 8-15, that never meet (columns 16k .. 16k+7 go to the first, 16k+8 .. 16k+15 to the second): so
+// the first runs the whole panel, then the second, and one pass holds one register of each sum.
+// g++ otherwise folds each load of x into both rows' multiplies (twice the loads) and then runs out
+// of registers; an empty asm that "may change" the register pins it (it changes no bit).
+KIMIK3_TARGET_AVX2 inline __m256 keep_in_register_avx2(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+struct Avx2Panel : TilePlan<2, 5> {  // 10 sums + 2 weights + 1 input + 1 product of 16 registers
     template <int NR, int NT>
-    KIMIK3_TARGET_AVX2 static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
-        __m256 acc[NR][NT][2];
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < 2; ++a) acc[r][t][a] = _mm256_loadu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(8 * a));
-        for (std::size_t c = 0; c < n; c += kLanes)
-            KIMIK3_UNROLL for (int a = 0; a < 2; ++a) {
+    KIMIK3_TARGET_AVX2 __attribute__((noinline)) static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
+        for (std::size_t a = 0; a < kLanes; a += 8) {  // lanes 0-7, then 8-15
+            __m256 acc[NR][NT];
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_loadu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a);
+            for (std::size_t c = a; c < n; c += kLanes) {
                 __m256 w[NR];
-                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = _mm256_loadu_ps(tile + std::size_t(r) * kPanel + c + std::size_t(8 * a));
+                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = keep_in_register_avx2(_mm256_loadu_ps(tile + std::size_t(r) * kPanel + c));
                 KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-                    const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * x_stride + c + std::size_t(8 * a));
-                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t][a] = _mm256_add_ps(acc[r][t][a], _mm256_mul_ps(w[r], xv));
+                    const __m256 xv = keep_in_register_avx2(_mm256_loadu_ps(x + std::size_t(t) * x_stride + c));
+                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_mul_ps(w[r], xv));
                 }
             }
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < 2; ++a) _mm256_storeu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(8 * a), acc[r][t][a]);
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) _mm256_storeu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a, acc[r][t]);
+        }
     }
 };
 
@@ -113,13 +120,17 @@ KIMIK3_TARGET_AVX2 inline void mxfp4_range_avx2(float* y, const float* x, const 
     if (tokens > 1) {
         auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX2 {
             const Avx2Decoder dec;
-            for (int i = 0; i < nr; ++i)
+            for (int i = 0; i < nr; ++i) {
+                const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
+                const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+                float* out = tile + std::size_t(i) * kPanel - c0;
+                prefetch_mxfp4_ahead(p, s, c0, c1, cols);
                 for (std::size_t c = c0; c < c1; c += kMxBlock) {
-                    const __m256 table_scaled = dec.scaled_table(scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
+                    const __m256 table_scaled = dec.scaled_table(s[c / kMxBlock]);
                     KIMIK3_UNROLL for (int word = 0; word < 4; ++word)
-                        _mm256_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(8 * word),
-                                         dec.word(table_scaled, packed + (r + std::size_t(i)) * prow + c / 2 + 4 * std::size_t(word)));
+                        _mm256_storeu_ps(out + c + std::size_t(8 * word), dec.word(table_scaled, p + c / 2 + 4 * std::size_t(word)));
                 }
+            }
         };
         return mxfp4_token_tiles<Avx2Panel>(y, x, tokens, rows, cols, r0, r1, kNaturalLanes, decode);
     }
@@ -386,12 +397,16 @@ inline void matmul_mxfp4_neon(float* y, const float* x, const std::uint8_t* pack
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;
+            const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+            detail::prefetch_mxfp4_ahead(p, s, c0, c1, cols);
             for (std::size_t c = c0; c < c1; c += kMxBlock) {
                 float32x4_t w[8];
-                detail::decode_block_neon(w, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
+                detail::decode_block_neon(w, p + c / 2, s[c / kMxBlock]);
                 for (int k = 0; k < 8; ++k) vst1q_f32(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(4 * k), w[k]);
             }
+        }
     };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         if (tokens > 1) return detail::mxfp4_token_tiles<detail::SimdPanel>(y, x, tokens, rows, cols, r0, r1, detail::kNaturalLanes, decode);
