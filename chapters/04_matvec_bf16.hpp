@@ -204,7 +204,10 @@ constexpr int even_group(std::size_t left, int most) {
 // well than one row after another: so each decode also asks for the same rows' next panel, the bytes
 // [p, p + n) of each row (at most `n`; nothing past the row's end).
 inline void prefetch_ahead(const void* p, std::size_t n) {
-    for (std::size_t i = 0; i < n; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+    for (std::size_t i = 0; i < n; i += 64) {
+        __builtin_prefetch(static_cast<const char*>(p) + i);
+        __asm__ volatile("");  // g++ 12 deleted some loops of nothing but prefetches as dead (its -ffinite-loops)
+    }
 }
 
 // The T-token plan above for rows [r0, r1). Panel::run<NR, NT>(sums, sums_t, tile, x, x_stride, n) is the

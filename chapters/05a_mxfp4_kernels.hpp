@@ -64,23 +64,32 @@ struct Avx2Decoder {
     }
 };
 
-// One row, one token: 2 accumulators of 8 lanes (word k of a block holds columns 8k .. 8k+7:
-// logical lanes 0..7 for even k, 8..15 for odd k).
-KIMIK3_TARGET_AVX2 inline float mxfp4_row_avx2(const float* x, const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
-    // x (in), prow (in/2), srow (in/32)
+// One row, NT tokens (1 to 4), straight from the packed bytes: each word decoded once, in registers,
+// and used by the NT tokens. Per token 2 accumulators of 8 lanes (word k of a block holds columns
+// 8k .. 8k+7: logical lanes 0..7 for even k, 8..15 for odd k). Up to 4 tokens this beats the tiles
+// below, which store and load every decoded weight once more. y (NT, ldy) at the row, x (NT, in).
+template <int NT>
+KIMIK3_TARGET_AVX2 inline void mxfp4_row_avx2(float* y, std::size_t ldy, const float* x, const std::uint8_t* prow, const std::uint8_t* srow,
+                                              std::size_t cols) {  // prow (in/2), srow (in/32)
     const Avx2Decoder dec;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[NT][2];
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {  // one MX block: 32 columns, 4 words
         const __m256 table_scaled = dec.scaled_table(srow[b]);
         KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
             const __m256 w = dec.word(table_scaled, prow + b * (kMxBlock / 2) + 4 * std::size_t(word));
-            acc[word % 2] = _mm256_add_ps(acc[word % 2], _mm256_mul_ps(w, _mm256_loadu_ps(x + b * kMxBlock + std::size_t(8 * word))));
+            KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+                const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * cols + b * kMxBlock + std::size_t(8 * word));
+                acc[t][word % 2] = _mm256_add_ps(acc[t][word % 2], _mm256_mul_ps(w, xv));
+            }
         }
     }
-    float lanes[kLanes];
-    _mm256_storeu_ps(lanes, acc[0]);
-    _mm256_storeu_ps(lanes + 8, acc[1]);
-    return hsum16(lanes);
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+        float lanes[kLanes];
+        _mm256_storeu_ps(lanes, acc[t][0]);
+        _mm256_storeu_ps(lanes + 8, acc[t][1]);
+        y[std::size_t(t) * ldy] = hsum16(lanes);
+    }
 }
 
 // The inner loop of 4.3's tiles on AVX2: NR rows x NT tokens. A sum is two 8-lane registers, lanes 0-7
@@ -117,7 +126,7 @@ struct Avx2Panel : TilePlan<2, 5> {  // 10 sums + 2 weights + 1 input + 1 produc
 KIMIK3_TARGET_AVX2 inline void mxfp4_range_avx2(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                                                 std::size_t tokens, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t r1) {
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
-    if (tokens > 1) {
+    if (tokens > 4) {
         auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX2 {
             const Avx2Decoder dec;
             for (int i = 0; i < nr; ++i) {
@@ -134,7 +143,15 @@ KIMIK3_TARGET_AVX2 inline void mxfp4_range_avx2(float* y, const float* x, const 
         };
         return mxfp4_token_tiles<Avx2Panel>(y, x, tokens, rows, cols, r0, r1, kNaturalLanes, decode);
     }
-    for (std::size_t r = r0; r < r1; ++r) y[r] = mxfp4_row_avx2(x, packed + r * prow, scales + r * srow, cols);
+    auto rows_of = [&](auto nt) KIMIK3_TARGET_AVX2 {
+        for (std::size_t r = r0; r < r1; ++r) mxfp4_row_avx2<decltype(nt)::value>(y + r, rows, x, packed + r * prow, scales + r * srow, cols);
+    };
+    switch (tokens) {
+        case 1: return rows_of(std::integral_constant<int, 1>{});
+        case 2: return rows_of(std::integral_constant<int, 2>{});
+        case 3: return rows_of(std::integral_constant<int, 3>{});
+        default: return rows_of(std::integral_constant<int, 4>{});
+    }
 }
 
 }  // namespace detail
