@@ -166,22 +166,24 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // speculative verification) should read and decode each weight ONCE and use it T times. Registers
 // cannot hold T tokens' sums for several rows (T = 16, 4 rows: 64 sums of 16 lanes), so the plan is:
 //
-//   for each group of R rows:                      (R = 4 for AVX-512 MXFP4, 2 on 8-wide SIMD)
-//     sums[R][T] = 0                                            (16 lanes each, in memory: 4 kB at T = 16)
-//     for each panel of kPanel columns (in column order):
-//       tile[R][kPanel] = the R rows' weights of the panel, decoded to f32       <- once per weight
-//       for each group of NT tokens:                                             <- T / NT times, from L1
-//         load sums[R][NT]; for each 16-column chunk: sum += tile * x; store sums[R][NT]
+//   for each block of B rows:                                  (B = 8; the AVX-512 MXFP4 plan: B = R = 4)
+//     sums[B][T] = 0                                           (16 lanes each, in memory: 8 kB at T = 16)
+//     for each panel of P columns (in column order):          (P <= 256: the T tokens' slices in 16 kB)
+//       for each group of R rows of the block:                  (R = 2 on 8-wide SIMD, 4 on AVX-512)
+//         tile[R][P] = the R rows' weights of the panel, decoded to f32   <- once per weight
+//         for each group of NT tokens:                                    <- T / NT times, from L1
+//           load sums[R][NT]; for each 16-column chunk: sum += tile * x; store sums[R][NT]
 //     y[t][r] = hsum16(sums[r][t] in logical lane order, then the tail columns)
 //
 // Each (row, token) sum still receives its products chunk by chunk in column order, lane by lane: the
 // bits of one row and one token alone. The decoder decides the register order of the tile (and x is
-// permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is.
-// A panel of 256 columns keeps the tile (4 kB) and the tokens' slice of x (16 kB at T = 16) in L1.
-// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels (chapter 05), AVX-512 past 4 tokens. The
+// permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is. The B
+// rows of a block share each panel of x while it is in L1 (one row pair alone re-read all T tokens' x
+// from L2 for every pair, which bound the loop on Zen 3); each decode asks for its rows' next panel.
+// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels of chapter 05 (AVX2 and AVX-512 past 4 tokens). The
 // AVX-512 bf16 kernel measured faster reading each row once per 8 tokens with no tile (04a): a bf16
 // weight costs one shift to decode, so keeping it decoded buys less than the tile's extra pass.
-inline constexpr std::size_t kPanel = 256;
+inline constexpr std::size_t kPanel = 256;  // the widest panel, and the tile's row stride
 
 namespace detail {
 

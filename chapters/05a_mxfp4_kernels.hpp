@@ -9,7 +9,8 @@
 //
 //   5.6 AVX2 (x86-64)      5.7 AVX-512 (x86-64)      5.9 NEON (arm64)
 //
-// Each does one token straight from the packed bytes (decode in registers, multiply, add) and T tokens
+// Each does one token straight from the packed bytes (decode in registers, multiply, add), a few tokens
+// the same way (each decoded word used by every token: AVX2 up to 4, AVX-512 up to 4), and more tokens
 // through chapter 04's tiles (4.3): the rows' blocks decoded once into an L1 tile in the kernel's
 // register order, then every token multiplies the tile.
 // ====================================================================================================
