@@ -347,11 +347,13 @@ inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {  // widen, in register order
         const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
         for (int i = 0; i < nr; ++i) {
-            detail::prefetch_ahead(w + (r + std::size_t(i)) * cols + c1, 2 * (std::min(cols, 2 * c1 - c0) - c1));
+            const bf16* row = w + (r + std::size_t(i)) * cols;  // (locals: the stores below may alias anything)
+            float* out = tile + std::size_t(i) * kPanel;
+            detail::prefetch_ahead(row + c1, 2 * (std::min(cols, 2 * c1 - c0) - c1));
             for (std::size_t c = c0; c < c1; c += 2 * simd::W) {
-                const simd::u32 u = simd::load_u32(w + (r + std::size_t(i)) * cols + c);
-                simd::store(tile + std::size_t(i) * kPanel + (c - c0), simd::as_f32(u << 16));
-                simd::store(tile + std::size_t(i) * kPanel + (c - c0) + simd::W, simd::as_f32(u & high_mask));
+                const simd::u32 u = simd::load_u32(row + c);
+                simd::store(out + (c - c0), simd::as_f32(u << 16));
+                simd::store(out + (c - c0) + simd::W, simd::as_f32(u & high_mask));
             }
         }
     };

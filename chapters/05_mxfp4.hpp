@@ -262,12 +262,12 @@ inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* pack
         for (int i = 0; i < nr; ++i) {
             const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
             const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
-            float* out = tile + std::size_t(i) * kPanel - c0;
+            float* out = tile + std::size_t(i) * kPanel;
             detail::prefetch_mxfp4_ahead(p, s, c0, c1, cols);
             for (std::size_t c = c0; c < c1; c += kMxBlock) {
                 simd::f32 w[kMxBlock / simd::W];
                 detail::decode_block_simd(w, shift, p + c / 2, s[c / kMxBlock]);
-                for (int k = 0; k < kMxBlock / simd::W; ++k) simd::store(out + c + std::size_t(k * simd::W), w[k]);
+                for (int k = 0; k < kMxBlock / simd::W; ++k) simd::store(out + (c - c0) + std::size_t(k * simd::W), w[k]);
             }
         }
     };

@@ -133,12 +133,12 @@ KIMIK3_TARGET_AVX2 inline void mxfp4_range_avx2(float* y, const float* x, const 
             for (int i = 0; i < nr; ++i) {
                 const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
                 const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
-                float* out = tile + std::size_t(i) * kPanel - c0;
+                float* out = tile + std::size_t(i) * kPanel;
                 prefetch_mxfp4_ahead(p, s, c0, c1, cols);
                 for (std::size_t c = c0; c < c1; c += kMxBlock) {
                     const __m256 table_scaled = dec.scaled_table(s[c / kMxBlock]);
                     KIMIK3_UNROLL for (int word = 0; word < 4; ++word)
-                        _mm256_storeu_ps(out + c + std::size_t(8 * word), dec.word(table_scaled, p + c / 2 + 4 * std::size_t(word)));
+                        _mm256_storeu_ps(out + (c - c0) + std::size_t(8 * word), dec.word(table_scaled, p + c / 2 + 4 * std::size_t(word)));
                 }
             }
         };
