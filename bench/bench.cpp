@@ -129,6 +129,18 @@ void row(const char* kernel, const char* path, int threads, double weights, doub
     std::fflush(stdout);
 }
 
+// The token counts of the T-token tables, and one row of them: time per call, weights per second, the
+// ratio to T = 1 of the same kernel, weights and threads, and the same-run limits (read bandwidth, L2).
+constexpr std::size_t kTokenCounts[] = {1, 2, 4, 8, 16};
+void token_row(std::size_t T, const char* kernel, bool hot, int threads, double sec, double weights, double bytes, double t1, const Limits& lim) {
+    char label[16];
+    std::snprintf(label, sizeof label, "T = %zu", T);
+    const double bw = bytes / sec;
+    std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n", label, kernel,
+                hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
+    std::fflush(stdout);
+}
+
 void bench_bf16(const Limits& lim) {
     const std::size_t matrix = std::size_t(12288) * 7168 * 2, copies = std::max<std::size_t>(1, (stream_bytes(matrix) + matrix - 1) / matrix);
     std::printf("\n4.x bf16 matvec at K3 size (weights streamed from memory: %zu copies of each 176 MB matrix, called in turn)\n", copies);
@@ -155,27 +167,31 @@ void bench_bf16(const Limits& lim) {
             }
         }
     }
-    // T tokens per read of the weights (q_proj 7168 -> 12288, streamed): each weight read and widened once.
-    std::printf("\n4.x bf16 matmul, T tokens per read of the weights (KDA q_proj 7168 -> 12288, streamed)\n");
-    std::printf("  %-8s %-9s %2s  %12s  %12s  %10s  %s\n", "T", "kernel", "th", "median/call", "weights", "vs T = 1", "ratio to limits");
+    // T tokens per read of the weights: each weight read and widened once for all T tokens. Streamed: q_proj
+    // 7168 -> 12288, the copies in turn; hot: its first rows (a quarter of the last-level cache) again and again.
     const std::size_t rows = 12288, cols = 7168, Tmax = 16;
+    const std::size_t hot_rows = std::clamp<std::size_t>(llc_bytes() / 4 / (2 * cols) / 16 * 16, 16, rows);
+    std::printf("\n4.x bf16 matmul, T tokens per read of the weights (KDA q_proj 7168 -> 12288; hot: its first %zu rows)\n", hot_rows);
+    std::printf("  %-8s %-9s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "kernel", "weights", "th", "median/call", "weights", "vs T = 1",
+                "ratio to limits");
     const auto xs = rng.floats(Tmax * cols);
     std::vector<float> yT(Tmax * rows);
     for (int threads : {1, 2}) {
         set_threads(threads);
         for (const auto& k : paths) {
             if (std::string(k.name) == "reference") continue;
-            double t1 = 0;
-            for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(4), std::size_t(16)}) {
-                std::size_t call = 0;
-                const double sec = median_seconds(g_reps, [&] { k.fn(yT.data(), xs.data(), w.data() + (call++ % copies) * rows * cols, T, rows, cols, rows); });
-                if (T == 1) t1 = sec;
-                char label[16];
-                std::snprintf(label, sizeof label, "T = %zu", T);
-                const double bw = double(rows * cols * 2) / sec;
-                std::printf("  %-8s %-9s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw\n", label, k.name, threads, sec * 1e3,
-                            double(rows * cols) / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2));
-                std::fflush(stdout);
+            for (const bool hot : {false, true}) {
+                const std::size_t n = hot ? hot_rows : rows, calls = hot ? std::max(copies, rows / hot_rows) : copies;  // per repetition
+                double t1 = 0;
+                for (const std::size_t T : kTokenCounts) {
+                    std::size_t call = 0;
+                    const double sec = median_seconds(g_reps, [&] {
+                        for (std::size_t c = 0; c < calls; ++c)
+                            k.fn(yT.data(), xs.data(), w.data() + (hot ? 0 : (call++ % copies) * rows * cols), T, n, cols, n);
+                    }) / double(calls);
+                    if (T == 1) t1 = sec;
+                    token_row(T, k.name, hot, threads, sec, double(n * cols), double(n * cols * 2), t1, lim);
+                }
             }
         }
     }
@@ -234,7 +250,7 @@ void bench_mxfp4(const Limits& lim) {
     }
 
     // T tokens against one read of the weights (chunked prefill, speculative verification): each weight
-    // is decoded once into chapter 04's tile (4.3) and used by every token. Streamed: the w1 matrices of
+    // is decoded once (in registers for up to 4 tokens on AVX2, else into chapter 04's tile, 4.3) and used by every token. Streamed: the w1 matrices of
     // the distinct experts in turn; hot: one expert's w1 again and again (5.85 MB: in the last-level cache).
     std::printf("\n5.x MXFP4 matmul, T tokens per read of the weights (w1 3584 -> 3072)\n");
     std::printf("  %-8s %-9s %-7s %2s  %12s  %12s  %10s  %s\n", "T", "kernel", "weights", "th", "median/call", "weights", "vs T = 1",
@@ -249,7 +265,7 @@ void bench_mxfp4(const Limits& lim) {
             if (std::string(k.name) == "reference" || std::string(k.name) == "xsimd") continue;
             for (const bool hot : {false, true}) {
                 double t1 = 0;
-                for (const std::size_t T : {std::size_t(1), std::size_t(2), std::size_t(4), std::size_t(16)}) {
+                for (const std::size_t T : kTokenCounts) {
                     const double sec = median_seconds(g_reps, [&] {
                         for (std::size_t e = 0; e < E; ++e) {
                             const std::size_t m = hot ? 0 : e;
@@ -257,13 +273,7 @@ void bench_mxfp4(const Limits& lim) {
                         }
                     }) / double(E);
                     if (T == 1) t1 = sec;
-                    const double bytes = double(p13 + s13), bw = bytes / sec;
-                    char label[16];
-                    std::snprintf(label, sizeof label, "T = %zu", T);
-                    std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n",
-                                label, k.name, hot ? "hot" : "stream", threads, sec * 1e3, double(F * L) / sec / 1e9, sec / t1,
-                                bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
-                    std::fflush(stdout);
+                    token_row(T, k.name, hot, threads, sec, double(F * L), double(p13 + s13), t1, lim);
                     // each token's row must be the matvec's, bit for bit
                     for (std::size_t t = 0; t < T; ++t) {
                         k.fn(y1.data(), xs.data() + t * L, mat(hot ? 0 : E - 1, 0), mat(hot ? 0 : E - 1, 0) + p13, 1, F, L);

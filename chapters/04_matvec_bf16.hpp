@@ -166,24 +166,51 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // speculative verification) should read and decode each weight ONCE and use it T times. Registers
 // cannot hold T tokens' sums for several rows (T = 16, 4 rows: 64 sums of 16 lanes), so the plan is:
 //
-//   for each group of R rows:                      (R = 4 for AVX-512 MXFP4, 2 on 8-wide SIMD)
-//     sums[R][T] = 0                                            (16 lanes each, in memory: 4 kB at T = 16)
-//     for each panel of kPanel columns (in column order):
-//       tile[R][kPanel] = the R rows' weights of the panel, decoded to f32       <- once per weight
-//       for each group of NT tokens:                                             <- T / NT times, from L1
-//         load sums[R][NT]; for each 16-column chunk: sum += tile * x; store sums[R][NT]
+//   for each block of B rows:                                  (B = 8; the AVX-512 MXFP4 plan: B = R = 4)
+//     sums[B][T] = 0                                           (16 lanes each, in memory: 8 kB at T = 16)
+//     for each panel of P columns (in column order):          (P <= 256: the T tokens' slices in 16 kB)
+//       for each group of R rows of the block:                  (R = 2 on 8-wide SIMD, 4 on AVX-512)
+//         tile[R][P] = the R rows' weights of the panel, decoded to f32   <- once per weight
+//         for each group of NT tokens:                                    <- T / NT times, from L1
+//           load sums[R][NT]; for each 16-column chunk: sum += tile * x; store sums[R][NT]
 //     y[t][r] = hsum16(sums[r][t] in logical lane order, then the tail columns)
 //
 // Each (row, token) sum still receives its products chunk by chunk in column order, lane by lane: the
 // bits of one row and one token alone. The decoder decides the register order of the tile (and x is
-// permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is.
-// A panel of 256 columns keeps the tile (4 kB) and the tokens' slice of x (16 kB at T = 16) in L1.
-// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels (chapter 05), AVX-512 past 4 tokens. The
+// permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is. The B
+// rows of a block share each panel of x while it is in L1 (one row pair alone re-read all T tokens' x
+// from L2 for every pair, which bound the loop on Zen 3); each decode asks for its rows' next panel.
+// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels of chapter 05 (AVX2 and AVX-512 past 4 tokens). The
 // AVX-512 bf16 kernel measured faster reading each row once per 8 tokens with no tile (04a): a bf16
 // weight costs one shift to decode, so keeping it decoded buys less than the tile's extra pass.
-inline constexpr std::size_t kPanel = 256;
+inline constexpr std::size_t kPanel = 256;  // the widest panel, and the tile's row stride
 
 namespace detail {
+
+// Panel::run<NR, nt> for an nt (1 .. Panel::kTokens) known only when running.
+template <class Panel, int NR, int NT = Panel::kTokens>
+inline void run_panel(int nt, float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
+    if constexpr (NT > 1)
+        if (nt < NT) return run_panel<Panel, NR, NT - 1>(nt, sums, sums_t, tile, x, x_stride, n);
+    Panel::template run<NR, NT>(sums, sums_t, tile, x, x_stride, n);
+}
+
+// The next group of `left` tokens, groups of at most `most`, as even as possible (16 tokens, at most 6:
+// 6, 5, 5): a group of one or two tokens shares each load of the tile too little.
+constexpr int even_group(std::size_t left, int most) {
+    const std::size_t groups = (left + std::size_t(most) - 1) / std::size_t(most);
+    return int((left + groups - 1) / groups);
+}
+
+// The plan visits a block of rows one panel at a time, an order the hardware prefetcher follows less
+// well than one row after another: so each decode also asks for the same rows' next panel, the bytes
+// [p, p + n) of each row (at most `n`; nothing past the row's end).
+inline void prefetch_ahead(const void* p, std::size_t n) {
+    for (std::size_t i = 0; i < n; i += 64) {
+        __builtin_prefetch(static_cast<const char*>(p) + i);
+        __asm__ volatile("");  // g++ 12 deleted some loops of nothing but prefetches as dead (its -ffinite-loops)
+    }
+}
 
 // The T-token plan above for rows [r0, r1). Panel::run<NR, NT>(sums, sums_t, tile, x, x_stride, n) is the
 // ISA's inner loop; decode(tile, row, nr, c0, c1) fills tile (nr, kPanel); tail(row, t, i) is the
@@ -192,73 +219,103 @@ template <class Panel, class Decode, class Tail>
 inline void token_tiles(float* y, std::size_t ldy, const float* xp, std::size_t tokens, std::size_t r0, std::size_t r1,
                         std::size_t cols, const int (&lane)[kLanes], Decode&& decode, Tail&& tail) {
     // y (T, ldy), xp (T, in) in the decoder's order
-    constexpr int R = Panel::kRows, NT = Panel::kTokens;
-    const std::size_t full = full_chunks(cols), panels = (full + kPanel - 1) / kPanel;
+    constexpr int R = Panel::kRows;
+    constexpr std::size_t B = Panel::kBlockRows;  // rows that share each panel of x (a multiple of R)
+    const std::size_t full = full_chunks(cols), pw = Panel::panel_cols(tokens), panels = (full + pw - 1) / pw;
+    thread_local std::vector<int> groups;  // the token groups, worked out once (the rule may divide)
+    groups.clear();
+    for (std::size_t t = 0; t < tokens; t += std::size_t(groups.back())) groups.push_back(Panel::group(tokens - t));
     thread_local std::vector<float> sums_buf, tile_buf, x_buf;
-    sums_buf.resize(std::size_t(R) * tokens * kLanes);
+    sums_buf.resize(B * tokens * kLanes);
     tile_buf.resize(std::size_t(R) * kPanel);
-    x_buf.resize(panels * tokens * kPanel);
-    float* sums = sums_buf.data();  // (R, T, 16)
+    x_buf.resize(panels * tokens * pw);
+    float* sums = sums_buf.data();  // (B, T, 16)
     float* tile = tile_buf.data();  // (R, kPanel)
-    float* xq = x_buf.data();       // (panels, T, kPanel): each panel's slice of every token, side by side
+    float* xq = x_buf.data();       // (panels, T, pw): each panel's slice of every token, side by side
     // (Token rows of x are `in` floats apart; at K3's widths that is a multiple of 2 kB, so 16 tokens'
     // slices would fall into the same few L1 sets and evict each other. Contiguous, they fit.)
     for (std::size_t p = 0; p < panels; ++p)
         for (std::size_t t = 0; t < tokens; ++t)
-            std::copy(xp + t * cols + p * kPanel, xp + t * cols + std::min(full, (p + 1) * kPanel), xq + (p * tokens + t) * kPanel);
-    for (std::size_t r = r0; r < r1;) {
-        const int nr = r1 - r >= std::size_t(R) ? R : 1;
-        std::fill(sums, sums + std::size_t(nr) * tokens * kLanes, 0.0f);
-        for (std::size_t c0 = 0; c0 < full; c0 += kPanel) {
-            const std::size_t c1 = std::min(full, c0 + kPanel), n = c1 - c0;
-            decode(tile, r, nr, c0, c1);
-            for (std::size_t t = 0; t < tokens;) {
-                const int nt = tokens - t >= std::size_t(NT) ? NT : tokens - t >= 2 ? 2 : 1;
-                float* s = sums + t * kLanes;
-                const float* xt = xq + (c0 / kPanel * tokens + t) * kPanel;
-                if (nr == R && nt == NT) Panel::template run<R, NT>(s, tokens, tile, xt, kPanel, n);
-                else if (nr == R && nt == 2) Panel::template run<R, 2>(s, tokens, tile, xt, kPanel, n);
-                else if (nr == R) Panel::template run<R, 1>(s, tokens, tile, xt, kPanel, n);
-                else if (nt == NT) Panel::template run<1, NT>(s, tokens, tile, xt, kPanel, n);
-                else if (nt == 2) Panel::template run<1, 2>(s, tokens, tile, xt, kPanel, n);
-                else Panel::template run<1, 1>(s, tokens, tile, xt, kPanel, n);
-                t += std::size_t(nt);
+            std::copy(xp + t * cols + p * pw, xp + t * cols + std::min(full, (p + 1) * pw), xq + (p * tokens + t) * pw);
+    for (std::size_t rb = r0; rb < r1; rb += B) {
+        const std::size_t re = std::min(r1, rb + B);
+        std::fill(sums, sums + (re - rb) * tokens * kLanes, 0.0f);
+        for (std::size_t c0 = 0; c0 < full; c0 += pw) {
+            const std::size_t c1 = std::min(full, c0 + pw), n = c1 - c0;
+            const float* xpanel = xq + c0 / pw * tokens * pw;
+            for (std::size_t r = rb; r < re;) {
+                const int nr = re - r >= std::size_t(R) ? R : 1;
+                decode(tile, r, nr, c0, c1);
+                float* s = sums + (r - rb) * tokens * kLanes;
+                std::size_t t = 0;
+                for (const int nt : groups) {
+                    if (nr == R) run_panel<Panel, R>(nt, s + t * kLanes, tokens, tile, xpanel + t * pw, pw, n);
+                    else run_panel<Panel, 1>(nt, s + t * kLanes, tokens, tile, xpanel + t * pw, pw, n);
+                    t += std::size_t(nt);
+                }
+                r += std::size_t(nr);
             }
         }
-        for (int i = 0; i < nr; ++i)
+        for (std::size_t r = rb; r < re; ++r)
             for (std::size_t t = 0; t < tokens; ++t) {
-                const float* s = sums + (std::size_t(i) * tokens + t) * kLanes;
+                const float* s = sums + ((r - rb) * tokens + t) * kLanes;
                 float lanes[kLanes];
                 for (int p = 0; p < kLanes; ++p) lanes[lane[p]] = s[p];
-                y[t * ldy + r + std::size_t(i)] = finish_tail(lanes, full, cols, [&](std::size_t c) { return tail(r + std::size_t(i), t, c); });
+                y[t * ldy + r] = finish_tail(lanes, full, cols, [&](std::size_t c) { return tail(r, t, c); });
             }
-        r += std::size_t(nr);
     }
 }
 
-// The shim's inner loop: NR rows x NT tokens, each sum 16/W registers, over n columns of a panel.
+// The plan's defaults for a Panel with Rows x Tokens sums in registers: blocks of 16 rows share each
+// panel of x, panels as wide as keep the T tokens' slices in 16 kB, token groups as even as possible.
+template <int Rows, int Tokens> struct TilePlan {
+    static constexpr int kRows = Rows, kTokens = Tokens, kBlockRows = 8;
+    static constexpr int group(std::size_t left) { return even_group(left, kTokens); }
+    static constexpr std::size_t panel_cols(std::size_t tokens) {
+        return std::clamp<std::size_t>(4096 / tokens / 32 * 32, 32, kPanel);
+    }
+};
+
+// g++ otherwise loads a weight or an input again at each of its uses (twice the loads, which then bind);
+// an empty asm that "may change" the register keeps the one load. It changes no bit.
+#if defined(__x86_64__) || defined(__i386__)
+inline simd::f32 keep_loaded(simd::f32 v) {
+    __asm__("" : "+x"(v.data));
+    return v;
+}
+#elif defined(__aarch64__)
+inline simd::f32 keep_loaded(simd::f32 v) {
+    __asm__("" : "+w"(v.data));
+    return v;
+}
+#else
+inline simd::f32 keep_loaded(simd::f32 v) { return v; }
+#endif
+
+// The shim's inner loop: NR rows x NT tokens over n columns of a panel. A sum is 16/W registers, and
+// register a only ever meets positions a*W .. a*W + W-1 of each 16-column chunk: the registers of a
+// sum never meet, so the loop runs register 0 of every sum through the whole panel, then register 1,
+// ...: one pass holds NR x NT registers, not 16/W times as many. Each lane's additions are unchanged.
 // sums: (row, token) at sums + (row * sums_t + token) * 16; tile (NR, kPanel); x (NT, x_stride).
-struct SimdPanel {
-    static constexpr int kRows = 2, kTokens = 2;  // 2 x 2 x 16/W sums + loads fit 16 registers at W = 8
+// (Not inlined: inside the caller the compiler kept the decoder's constants in registers and spilled sums.)
+struct SimdPanel : TilePlan<2, 5> {  // 10 sums + 2 weights + 1 input + 1 product of 16 registers
     template <int NR, int NT>
-    static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
-        constexpr int A = simd::kBatchesPer16;
-        simd::f32 acc[NR][NT][A];
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < A; ++a) acc[r][t][a] = simd::load(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(a * simd::W));
-        for (std::size_t c = 0; c < n; c += kLanes)
-            KIMIK3_UNROLL for (int a = 0; a < A; ++a) {
+    [[gnu::noinline]] static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
+        for (std::size_t a = 0; a < kLanes; a += std::size_t(simd::W)) {
+            simd::f32 acc[NR][NT];
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = simd::load(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a);
+            for (std::size_t c = a; c < n; c += kLanes) {
                 simd::f32 w[NR];
-                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = simd::load(tile + std::size_t(r) * kPanel + c + std::size_t(a * simd::W));
+                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = keep_loaded(simd::load(tile + std::size_t(r) * kPanel + c));
                 KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-                    const simd::f32 xv = simd::load(x + std::size_t(t) * x_stride + c + std::size_t(a * simd::W));
-                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t][a] = acc[r][t][a] + w[r] * xv;
+                    const simd::f32 xv = keep_loaded(simd::load(x + std::size_t(t) * x_stride + c));
+                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t] = acc[r][t] + w[r] * xv;
                 }
             }
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < A; ++a) simd::store(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(a * simd::W), acc[r][t][a]);
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) simd::store(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a, acc[r][t]);
+        }
     }
 };
 
@@ -289,12 +346,16 @@ inline void matmul_bf16_simd(float* y, const float* x, const bf16* w, std::size_
     const float* xpp = xp.data();
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {  // widen, in register order
         const simd::u32 high_mask = simd::splat_u32(0xFFFF0000u);
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            const bf16* row = w + (r + std::size_t(i)) * cols;  // (locals: the stores below may alias anything)
+            float* out = tile + std::size_t(i) * kPanel;
+            detail::prefetch_ahead(row + c1, 2 * (std::min(cols, 2 * c1 - c0) - c1));
             for (std::size_t c = c0; c < c1; c += 2 * simd::W) {
-                const simd::u32 u = simd::load_u32(w + (r + std::size_t(i)) * cols + c);
-                simd::store(tile + std::size_t(i) * kPanel + (c - c0), simd::as_f32(u << 16));
-                simd::store(tile + std::size_t(i) * kPanel + (c - c0) + simd::W, simd::as_f32(u & high_mask));
+                const simd::u32 u = simd::load_u32(row + c);
+                simd::store(out + (c - c0), simd::as_f32(u << 16));
+                simd::store(out + (c - c0) + simd::W, simd::as_f32(u & high_mask));
             }
+        }
     };
     auto tail = [&](std::size_t r, std::size_t t, std::size_t i) { return bf16_to_f32(w[r * cols + i]) * x[t * cols + i]; };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {

@@ -80,8 +80,12 @@ KIMIK3_TARGET_AVX512 inline __m512 keep_in_register(__m512 v) {
 
 // The inner loop of 4.3's tiles on AVX-512: NR rows x NT tokens, one register per sum, n columns.
 // sums: (row, token) at sums + (row * sums_t + token) * 16; tile (NR, kPanel); x (NT, x_stride).
-struct Avx512Panel {
-    static constexpr int kRows = 4, kTokens = 4;  // 16 sums + 4 weights + 1 input of 32 registers
+// Its plan is the one measured when it was written (no AVX-512 machine measured the defaults of
+// TilePlan): one group of 4 rows per panel of x, panels of kPanel columns, 4 tokens at a time, then 2, 1.
+struct Avx512Panel : TilePlan<4, 4> {  // 16 sums + 4 weights + 1 input of 32 registers
+    static constexpr int kBlockRows = kRows;
+    static constexpr int group(std::size_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+    static constexpr std::size_t panel_cols(std::size_t) { return kPanel; }
     template <int NR, int NT>
     KIMIK3_TARGET_AVX512 static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
         __m512 acc[NR][NT];
@@ -236,12 +240,14 @@ inline void matmul_bf16_neon(float* y, const float* x, const bf16* w, std::size_
                              std::size_t ldy) {  // y (T, ldy), x (T, in), w (out, in)
     if (ldy == 0) ldy = rows;
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            detail::prefetch_ahead(w + (r + std::size_t(i)) * cols + c1, 2 * (std::min(cols, 2 * c1 - c0) - c1));
             for (std::size_t c = c0; c < c1; c += kLanes) {
                 float32x4_t wv[4];
                 detail::widen_bf16_neon(wv, w + (r + std::size_t(i)) * cols + c);
                 for (int a = 0; a < 4; ++a) vst1q_f32(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(4 * a), wv[a]);
             }
+        }
     };
     auto tail = [&](std::size_t r, std::size_t t, std::size_t i) { return bf16_to_f32(w[r * cols + i]) * x[t * cols + i]; };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {

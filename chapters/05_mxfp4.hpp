@@ -230,6 +230,14 @@ inline float mxfp4_row_simd(const float* x, const std::uint8_t* prow, const std:
     return hsum16(lanes);
 }
 
+// The tiles' decode asks for the row's next panel as it decodes one (4.3's prefetch_ahead): the packed
+// bytes of columns [c1, 2 c1 - c0) and the line of scales they start in.
+inline void prefetch_mxfp4_ahead(const std::uint8_t* prow, const std::uint8_t* srow, std::size_t c0, std::size_t c1, std::size_t cols) {
+    if (c1 >= cols) return;
+    prefetch_ahead(prow + c1 / 2, (std::min(cols, 2 * c1 - c0) - c1) / 2);
+    prefetch_ahead(srow + c1 / kMxBlock, 1);
+}
+
 // T tokens through chapter 04's tiles (4.3): `decode(tile, r, nr, c0, c1)` writes rows r .. r+nr-1,
 // columns [c0, c1), decoded, in the kernel's register order; `lane` names the logical lane of each
 // stored position. MXFP4 widths are multiples of 32, so there is never a tail column.
@@ -251,12 +259,17 @@ inline void matmul_mxfp4_simd(float* y, const float* x, const std::uint8_t* pack
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {
         simd::u32 shift[8 / simd::W];
         for (int k = 0; k < 8 / simd::W; ++k) shift[k] = detail::nibble_shifts(k * simd::W);
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
+            const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+            float* out = tile + std::size_t(i) * kPanel;
+            detail::prefetch_mxfp4_ahead(p, s, c0, c1, cols);
             for (std::size_t c = c0; c < c1; c += kMxBlock) {
                 simd::f32 w[kMxBlock / simd::W];
-                detail::decode_block_simd(w, shift, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
-                for (int k = 0; k < kMxBlock / simd::W; ++k) simd::store(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(k * simd::W), w[k]);
+                detail::decode_block_simd(w, shift, p + c / 2, s[c / kMxBlock]);
+                for (int k = 0; k < kMxBlock / simd::W; ++k) simd::store(out + (c - c0) + std::size_t(k * simd::W), w[k]);
             }
+        }
     };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         if (tokens > 1) return detail::mxfp4_token_tiles<detail::SimdPanel>(y, x, tokens, rows, cols, r0, r1, detail::kNaturalLanes, decode);

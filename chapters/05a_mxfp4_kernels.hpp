@@ -9,7 +9,8 @@
 //
 //   5.6 AVX2 (x86-64)      5.7 AVX-512 (x86-64)      5.9 NEON (arm64)
 //
-// Each does one token straight from the packed bytes (decode in registers, multiply, add) and T tokens
+// Each does one token straight from the packed bytes (decode in registers, multiply, add), a few tokens
+// the same way (each decoded word used by every token: AVX2 up to 4, AVX-512 up to 4), and more tokens
 // through chapter 04's tiles (4.3): the rows' blocks decoded once into an L1 tile in the kernel's
 // register order, then every token multiplies the tile.
 // ====================================================================================================
@@ -64,66 +65,94 @@ struct Avx2Decoder {
     }
 };
 
-// One row, one token: 2 accumulators of 8 lanes (word k of a block holds columns 8k .. 8k+7:
-// logical lanes 0..7 for even k, 8..15 for odd k).
-KIMIK3_TARGET_AVX2 inline float mxfp4_row_avx2(const float* x, const std::uint8_t* prow, const std::uint8_t* srow, std::size_t cols) {
-    // x (in), prow (in/2), srow (in/32)
+// One row, NT tokens (1 to 4), straight from the packed bytes: each word decoded once, in registers,
+// and used by the NT tokens. Per token 2 accumulators of 8 lanes (word k of a block holds columns
+// 8k .. 8k+7: logical lanes 0..7 for even k, 8..15 for odd k). Up to 4 tokens this beats the tiles
+// below, which store and load every decoded weight once more. y (NT, ldy) at the row, x (NT, in).
+template <int NT>
+KIMIK3_TARGET_AVX2 inline void mxfp4_row_avx2(float* y, std::size_t ldy, const float* x, const std::uint8_t* prow, const std::uint8_t* srow,
+                                              std::size_t cols) {  // prow (in/2), srow (in/32)
     const Avx2Decoder dec;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[NT][2];
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (std::size_t b = 0; b < cols / kMxBlock; ++b) {  // one MX block: 32 columns, 4 words
         const __m256 table_scaled = dec.scaled_table(srow[b]);
         KIMIK3_UNROLL for (int word = 0; word < 4; ++word) {
             const __m256 w = dec.word(table_scaled, prow + b * (kMxBlock / 2) + 4 * std::size_t(word));
-            acc[word % 2] = _mm256_add_ps(acc[word % 2], _mm256_mul_ps(w, _mm256_loadu_ps(x + b * kMxBlock + std::size_t(8 * word))));
+            KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+                const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * cols + b * kMxBlock + std::size_t(8 * word));
+                acc[t][word % 2] = _mm256_add_ps(acc[t][word % 2], _mm256_mul_ps(w, xv));
+            }
         }
     }
-    float lanes[kLanes];
-    _mm256_storeu_ps(lanes, acc[0]);
-    _mm256_storeu_ps(lanes + 8, acc[1]);
-    return hsum16(lanes);
+    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+        float lanes[kLanes];
+        _mm256_storeu_ps(lanes, acc[t][0]);
+        _mm256_storeu_ps(lanes + 8, acc[t][1]);
+        y[std::size_t(t) * ldy] = hsum16(lanes);
+    }
 }
 
-// The inner loop of 4.3's tiles on AVX2: NR rows x NT tokens, two 8-lane registers per sum.
-struct Avx2Panel {
-    static constexpr int kRows = 2, kTokens = 3;  // 12 sums + 2 weights + 1 input of 16 registers
+// The inner loop of 4.3's tiles on AVX2: NR rows x NT tokens. A sum is two 8-lane registers, lanes 0-7
+// and 8-15, that never meet (columns 16k .. 16k+7 go to the first, 16k+8 .. 16k+15 to the second): so
+// the first runs the whole panel, then the second, and one pass holds one register of each sum.
+// g++ otherwise folds each load of x into both rows' multiplies (twice the loads) and then runs out
+// of registers; an empty asm that "may change" the register pins it (it changes no bit).
+KIMIK3_TARGET_AVX2 inline __m256 keep_in_register_avx2(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+struct Avx2Panel : TilePlan<2, 5> {  // 10 sums + 2 weights + 1 input + 1 product of 16 registers
     template <int NR, int NT>
-    KIMIK3_TARGET_AVX2 static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
-        __m256 acc[NR][NT][2];
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < 2; ++a) acc[r][t][a] = _mm256_loadu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(8 * a));
-        for (std::size_t c = 0; c < n; c += kLanes)
-            KIMIK3_UNROLL for (int a = 0; a < 2; ++a) {
+    KIMIK3_TARGET_AVX2 __attribute__((noinline)) static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
+        for (std::size_t a = 0; a < kLanes; a += 8) {  // lanes 0-7, then 8-15
+            __m256 acc[NR][NT];
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_loadu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a);
+            for (std::size_t c = a; c < n; c += kLanes) {
                 __m256 w[NR];
-                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = _mm256_loadu_ps(tile + std::size_t(r) * kPanel + c + std::size_t(8 * a));
+                KIMIK3_UNROLL for (int r = 0; r < NR; ++r) w[r] = keep_in_register_avx2(_mm256_loadu_ps(tile + std::size_t(r) * kPanel + c));
                 KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-                    const __m256 xv = _mm256_loadu_ps(x + std::size_t(t) * x_stride + c + std::size_t(8 * a));
-                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t][a] = _mm256_add_ps(acc[r][t][a], _mm256_mul_ps(w[r], xv));
+                    const __m256 xv = keep_in_register_avx2(_mm256_loadu_ps(x + std::size_t(t) * x_stride + c));
+                    KIMIK3_UNROLL for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_mul_ps(w[r], xv));
                 }
             }
-        KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
-            KIMIK3_UNROLL for (int t = 0; t < NT; ++t)
-                KIMIK3_UNROLL for (int a = 0; a < 2; ++a) _mm256_storeu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + std::size_t(8 * a), acc[r][t][a]);
+            KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
+                KIMIK3_UNROLL for (int t = 0; t < NT; ++t) _mm256_storeu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes + a, acc[r][t]);
+        }
     }
 };
 
 KIMIK3_TARGET_AVX2 inline void mxfp4_range_avx2(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales,
                                                 std::size_t tokens, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t r1) {
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
-    if (tokens > 1) {
+    if (tokens > 4) {
         auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX2 {
             const Avx2Decoder dec;
-            for (int i = 0; i < nr; ++i)
+            for (int i = 0; i < nr; ++i) {
+                const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
+                const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+                float* out = tile + std::size_t(i) * kPanel;
+                prefetch_mxfp4_ahead(p, s, c0, c1, cols);
                 for (std::size_t c = c0; c < c1; c += kMxBlock) {
-                    const __m256 table_scaled = dec.scaled_table(scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
+                    const __m256 table_scaled = dec.scaled_table(s[c / kMxBlock]);
                     KIMIK3_UNROLL for (int word = 0; word < 4; ++word)
-                        _mm256_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(8 * word),
-                                         dec.word(table_scaled, packed + (r + std::size_t(i)) * prow + c / 2 + 4 * std::size_t(word)));
+                        _mm256_storeu_ps(out + (c - c0) + std::size_t(8 * word), dec.word(table_scaled, p + c / 2 + 4 * std::size_t(word)));
                 }
+            }
         };
         return mxfp4_token_tiles<Avx2Panel>(y, x, tokens, rows, cols, r0, r1, kNaturalLanes, decode);
     }
-    for (std::size_t r = r0; r < r1; ++r) y[r] = mxfp4_row_avx2(x, packed + r * prow, scales + r * srow, cols);
+    auto rows_of = [&](auto nt) KIMIK3_TARGET_AVX2 {
+        for (std::size_t r = r0; r < r1; ++r) mxfp4_row_avx2<decltype(nt)::value>(y + r, rows, x, packed + r * prow, scales + r * srow, cols);
+    };
+    switch (tokens) {
+        case 1: return rows_of(std::integral_constant<int, 1>{});
+        case 2: return rows_of(std::integral_constant<int, 2>{});
+        case 3: return rows_of(std::integral_constant<int, 3>{});
+        default: return rows_of(std::integral_constant<int, 4>{});
+    }
 }
 
 }  // namespace detail
@@ -386,12 +415,16 @@ inline void matmul_mxfp4_neon(float* y, const float* x, const std::uint8_t* pack
     require_multiple("matvec_mxfp4", "in", cols, kMxBlock);
     const std::size_t prow = cols / 2, srow = cols / kMxBlock;
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) {
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;
+            const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+            detail::prefetch_mxfp4_ahead(p, s, c0, c1, cols);
             for (std::size_t c = c0; c < c1; c += kMxBlock) {
                 float32x4_t w[8];
-                detail::decode_block_neon(w, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
+                detail::decode_block_neon(w, p + c / 2, s[c / kMxBlock]);
                 for (int k = 0; k < 8; ++k) vst1q_f32(tile + std::size_t(i) * kPanel + (c - c0) + std::size_t(4 * k), w[k]);
             }
+        }
     };
     parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) {
         if (tokens > 1) return detail::mxfp4_token_tiles<detail::SimdPanel>(y, x, tokens, rows, cols, r0, r1, detail::kNaturalLanes, decode);

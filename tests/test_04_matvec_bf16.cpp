@@ -77,6 +77,45 @@ TEST_CASE("4.3 T tokens at once give, row by row, exactly the bits of T single m
     }
 }
 
+TEST_CASE("4.3 T tokens, one read: every token's row is its own matvec's, T = 1..33, uneven rows, 1 and 2 threads") {
+    // 4.3's plan: blocks of 8 rows (here 1, 7 and 37 rows: partial blocks and a lone last row), panels
+    // of up to 256 columns (600 and 1040: partial panels, and a tail of 8 columns past the last chunk),
+    // token groups of at most 5 and narrower panels past 16 tokens. Each token's row must be, bit for
+    // bit, the same path's matvec on that token alone and the reference's.
+    test::Rng rng(44);
+    const int threads_before = max_threads();
+    int cases = 0;
+    for (std::size_t rows : {1u, 7u, 37u})
+        for (std::size_t cols : {600u, 1040u})
+            for (std::size_t tokens : {1u, 2u, 3u, 4u, 7u, 16u, 33u}) {
+                auto w = rng.bf16s(rows * cols, -2.0f, 2.0f);
+                w[rows * cols - 1] = 0x8000;  // -0 in the last tail column
+                const auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
+                std::vector<float> ref(tokens * rows), got(tokens * rows), one(rows);
+                matmul_bf16_ref(ref.data(), x.data(), w.data(), tokens, rows, cols);
+                for (const auto& path : fast_paths()) {
+                    const char* name = path.name;
+                    CAPTURE(name);
+                    CAPTURE(rows);
+                    CAPTURE(cols);
+                    CAPTURE(tokens);
+                    for (int threads : {1, 2}) {
+                        CAPTURE(threads);
+                        set_threads(threads);
+                        path.fn(got.data(), x.data(), w.data(), tokens, rows, cols, 0);
+                        CHECK_BITS_EQ(got, ref);
+                        for (std::size_t t = 0; t < tokens; ++t) {
+                            path.fn(one.data(), x.data() + t * cols, w.data(), 1, rows, cols, 0);
+                            CHECK_BITS_EQ(std::span<const float>(got.data() + t * rows, rows), one);
+                        }
+                    }
+                }
+                ++cases;
+            }
+    set_threads(threads_before);
+    CHECK(cases == 42);
+}
+
 TEST_CASE("4.3 one thread and two threads give the same bits") {
     test::Rng rng(43);
     const std::size_t rows = 1001, cols = 512;

@@ -180,6 +180,49 @@ TEST_CASE("5.8 one thread and two threads give the same bits on every path; T to
     }
 }
 
+TEST_CASE("5.5-5.7 T tokens, one decode: every token's row is its own matvec's, T = 1..33, uneven rows, 1 and 2 threads") {
+    // The T-token paths decode each weight once for all T tokens (in registers up to 4 tokens on AVX2,
+    // through 4.3's tiles past that: blocks of 8 rows, panels of up to 256 columns, narrower past 16
+    // tokens). Rows that leave partial blocks and row pairs, widths that leave a partial panel, and T
+    // that leave partial token groups: each token's row must be, bit for bit, the same path's matvec on
+    // that token alone and the reference's.
+    test::Rng rng(54);
+    const int threads_before = max_threads();
+    int cases = 0;
+    for (std::size_t rows : {1u, 7u, 37u})
+        for (std::size_t cols : {96u, 544u})
+            for (std::size_t tokens : {1u, 2u, 3u, 4u, 7u, 16u, 33u}) {
+                std::vector<std::uint8_t> packed(rows * cols / 2), scales(rows * cols / 32);
+                for (auto& b : packed) b = std::uint8_t(rng.bits());
+                for (auto& s : scales) s = std::uint8_t(100 + rng.bits() % 41);
+                scales.back() = 0;  // the denormal scale, in the last block of the last row
+                const auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
+                std::vector<float> ref(tokens * rows), got(tokens * rows), one(rows);
+                matmul_mxfp4_ref(ref.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
+                for (const auto& path : fast_paths()) {
+                    const char* name = path.name;
+                    const MatmulFn fn = path.fn;
+                    CAPTURE(name);
+                    CAPTURE(rows);
+                    CAPTURE(cols);
+                    CAPTURE(tokens);
+                    for (int threads : {1, 2}) {
+                        CAPTURE(threads);
+                        set_threads(threads);
+                        fn(got.data(), x.data(), packed.data(), scales.data(), tokens, rows, cols);
+                        CHECK_BITS_EQ(got, ref);
+                        for (std::size_t t = 0; t < tokens; ++t) {
+                            fn(one.data(), x.data() + t * cols, packed.data(), scales.data(), 1, rows, cols);
+                            CHECK_BITS_EQ(std::span<const float>(got.data() + t * rows, rows), one);
+                        }
+                    }
+                }
+                ++cases;
+            }
+    set_threads(threads_before);
+    CHECK(cases == 42);
+}
+
 TEST_CASE("5.8 the dispatcher names the kernel it runs, and never one this CPU lacks") {
     const Kernel<Mxfp4Matmul>& k = mxfp4_kernel();
     CHECK(std::string(mxfp4_kernel_name()) == k.name);
