@@ -25,7 +25,7 @@
 #include "chapters/12a_pack_trunk.hpp"       // APPENDIX to 12: trunk.bin packed, verified and loaded back
 #include "chapters/12b_trunk_weights.hpp"    // APPENDIX to 12: carrying out a plan: resident, streamed, the embedding
 #include "chapters/13_model.hpp"             // the whole model: sessions, forward steps, teacher forcing, the one decode loop
-#include "chapters/13a_batch.hpp"             // APPENDIX to 13: several conversations in one forward step, each exact; the scheduler
+#include "chapters/13a_batch.hpp"            // APPENDIX to 13: several conversations in one forward step, each exact; the scheduler
 #include "chapters/14_tokenizer.hpp"         // tiktoken BPE: K3's pre-tokenizer as a scanner, merges, streaming UTF-8
 #include "chapters/14a_tokenizer_files.hpp"  // APPENDIX to 14: tiktoken.model and tokenizer_config.json, read strictly
 #include "chapters/15_generate.hpp"          // the XTML chat format, stop tokens, seeded sampling
