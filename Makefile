@@ -362,7 +362,7 @@ bench-serve: deps $(CLI)
 # request alone (exit 1 if one differs). BENCH_BATCH_ARGS e.g. --gen 64 --reps 3; BATCH_MODEL=$(K3_SHAPED).
 BATCH_MODEL ?= fixtures/little-k3
 BENCH_BATCH_ARGS ?= --gen 32
-$(BUILD)/kimik3-bench-batch: bench/bench_batch.cpp bench/timing.hpp $(HEADERS) | deps
+$(BUILD)/kimik3-bench-batch: bench/bench_batch.cpp bench/timing.hpp bench/reads.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 bench-batch: deps $(BUILD)/kimik3-bench-batch
@@ -377,7 +377,7 @@ bench-batch: deps $(BUILD)/kimik3-bench-batch
 # projected seconds per generated token at the acceptance compare measured.
 SPEC_MODEL ?= fixtures/little-k3
 BENCH_SPEC_ARGS ?= --gen 48 --reps 3
-$(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp $(HEADERS) | deps
+$(BUILD)/kimik3-bench-speculate: bench/bench_speculate.cpp bench/timing.hpp bench/reads.hpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(LDFLAGS)
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../kimik3.hpp"
+#include "reads.hpp"
 #include "timing.hpp"
 
 using namespace kimik3;
@@ -23,22 +24,10 @@ using Ids = std::vector<std::int64_t>;
 
 namespace {
 
-std::string load_average() {
-    std::ifstream f("/proc/loadavg");
-    std::string a, b, c;
-    f >> a >> b >> c;
-    return a + " " + b + " " + c;
-}
+using bench::load_average;
 
-struct Counters {
-    double trunk = 0, experts = 0;
-};
-Counters counters(Model& m) {
-    Counters c;
-    c.trunk = double(m.trunk().ring_stats().bytes) + double(m.trunk().stats().embed_rows) * double(m.config.hidden_size) * 2;
-    if (m.experts()) c.experts = double(m.experts()->stats().bytes_read);
-    return c;
-}
+using bench::Counters;
+using bench::counters;
 
 struct Run {
     double seconds = 0, trunk = 0, experts = 0;

@@ -33,6 +33,7 @@
 #include "../examples/cli/sizes.hpp"
 #include "../kimik3.hpp"
 #include "../tests/rng.hpp"
+#include "reads.hpp"
 #include "timing.hpp"
 
 using namespace kimik3;
@@ -44,13 +45,7 @@ using bench::median;
 using bench::median_seconds;
 using Ids = std::vector<std::int64_t>;
 
-// The machine's load (the first three fields of /proc/loadavg): quoted next to every measurement.
-std::string load_average() {
-    std::ifstream f("/proc/loadavg");
-    std::string a, b, c;
-    f >> a >> b >> c;
-    return a + " " + b + " " + c;
-}
+using bench::load_average;
 
 std::vector<std::size_t> parse_list(const std::string& s) {
     std::vector<std::size_t> v;
@@ -168,15 +163,8 @@ struct Tally {
     }
 };
 
-struct Counters {
-    double trunk = 0, experts = 0;
-};
-Counters counters(Model& m) {
-    Counters c;
-    c.trunk = double(m.trunk().ring_stats().bytes) + double(m.trunk().stats().embed_rows) * double(m.config.hidden_size) * 2;
-    if (m.experts()) c.experts = double(m.experts()->stats().bytes_read);
-    return c;
-}
+using bench::Counters;
+using bench::counters;
 
 // One generation of exactly `gen` tokens (no stop tokens) with up to `draft` drafts per step (0: plain).
 // The decode figures start after the first token (the prefill's, which costs the same either way).

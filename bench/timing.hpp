@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <string>
 #include <vector>
 
 namespace kimik3::bench {
@@ -26,6 +28,14 @@ template <class F> double median_seconds(int reps, F&& f) {
         t.push_back(now_seconds() - t0);
     }
     return median(std::move(t));
+}
+
+// The machine's load (the first three fields of /proc/loadavg): quoted next to every measurement.
+inline std::string load_average() {
+    std::ifstream f("/proc/loadavg");
+    std::string a, b, c;
+    f >> a >> b >> c;
+    return a + " " + b + " " + c;
 }
 
 }  // namespace kimik3::bench
