@@ -50,8 +50,9 @@
 //      into their lanes in plain code (`finish_tail`), exactly as the reference does.
 //   2. No FMA anywhere: the build uses -ffp-contract=off and never -ffast-math; the canary test
 //      (test 0.6) fails if a compiler flag lets `a*b+c` fuse.
-//   3. Transcendentals (exp, tanh, sqrt-then-divide) are scalar std:: calls in both the reference and
-//      the SIMD path (section 0.7 builds sigmoid and silu from them), so the two cannot differ.
+//   3. Transcendentals are scalar functions of this chapter (exp_f32, tanh_f32, section 0.7: plain
+//      IEEE arithmetic, not the C library's, so every CPU gives the same bits), called by the reference
+//      and the SIMD path alike; sqrt is IEEE's, correctly rounded everywhere.
 //   4. Threads split independent outputs only (rows, heads, experts): no reduction is split, so any
 //      thread count gives the same bits.
 //   5. f32 -> bf16 is RNE; NaN stays NaN (quiet). bf16 -> f32 is exact. Denormals are kept (we never
@@ -79,6 +80,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -318,11 +320,61 @@ inline float fma_canary() {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 0.7 Scalar transcendentals (the same function in the reference and the SIMD paths)
+// 0.7 Scalar transcendentals, computed here (the same function in every path and on every CPU)
 // ---------------------------------------------------------------------------------------------------
-// These are O(D) per token, far from the hot path, so both paths call these scalar functions: then
-// their bits cannot differ between paths. std::exp/std::tanh come from the C library (glibc here).
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// These are O(D) per token, far from the hot path, so the reference and the SIMD paths call the same
+// scalar functions: then their bits cannot differ between paths. They are not the C library's. The C
+// library promises an accurate expf or tanhf, not the same bits everywhere: glibc's tanhf and expm1f
+// give other bits on arm64 than on x86-64 (its arm64 build fuses multiply-adds), and on x86-64 it
+// picks an FMA or a plain version of expf by CPU at load time. So exp and tanh are written out below
+// with plain IEEE operations (+, -, *, / on doubles, rounded as the standard says, never fused), which
+// give the same bits on every CPU and compiler that keep chapter 00's rules.
+//
+// exp(x), worked in double: write x = k ln2 + r with k the nearest integer to x / ln2, so |r| <= ln2/2;
+// then e^x = 2^k e^r. ln2 is split into a head with 21 zero low bits (k * head is exact for |k| < 2^21)
+// and a tail, so r keeps ~60 good bits. e^r is its Taylor series to r^13; the first term left out is under (ln2/2)^14 / 14! = 4e-18 of the sum. 2^k is built
+// from its bits. The double is then rounded once to float: the result is the correctly rounded expf
+// except within ~1e-15 of a tie (then one ulp off, the same ulp everywhere).
+// tanh(x) = (e^2|x| - 1) / (e^2|x| + 1) with the sign of x, in double; below 2^-12 tanh(x) rounds to
+// x itself (the next term, x^3/3, is under a third of an ulp), at 10 and above to +-1.
+namespace detail {
+inline constexpr auto kExpTaylor = [] {  // 1/k!, k = 0..13 (k! is exact in a double)
+    std::array<double, 14> c{};
+    double f = 1.0;
+    for (int k = 0; k < 14; ++k) f *= k > 0 ? double(k) : 1.0, c[std::size_t(k)] = 1.0 / f;
+    return c;
+}();
+inline double exp_f64(double x) {  // |x| <= 104 (enough for every float exp that is not 0 or Inf)
+    const double k = std::nearbyint(x * 0x1.71547652b82fep0);  // x / ln2, to the nearest integer
+    const double r = (x - k * 0x1.62e42fee00000p-1) - k * 0x1.a39ef35793c76p-33;  // ln2 = head + tail
+    // Estrin's scheme: the 14 terms in pairs c_2i + c_2i+1 r, then pairs of pairs with r^2, r^4, r^8
+    // (four rounds of independent products instead of Horner's chain of 13: 2.5x faster here).
+    const auto& c = kExpTaylor;
+    const double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    const double p01 = c[0] + c[1] * r, p23 = c[2] + c[3] * r, p45 = c[4] + c[5] * r, p67 = c[6] + c[7] * r;
+    const double p89 = c[8] + c[9] * r, pab = c[10] + c[11] * r, pcd = c[12] + c[13] * r;
+    const double p0_3 = p01 + r2 * p23, p4_7 = p45 + r2 * p67, p8_b = p89 + r2 * pab;
+    const double p = (p0_3 + r4 * p4_7) + r8 * (p8_b + r4 * pcd);
+    return p * std::bit_cast<double>(std::uint64_t(std::int64_t(k) + 1023) << 52);  // * 2^k
+}
+}  // namespace detail
+
+inline float exp_f32(float x) {
+    if (std::isnan(x)) return x;
+    if (x > 89.0f) return INFINITY;  // e^88.73 is above the largest float already
+    if (x < -104.0f) return 0.0f;    // e^-103.98 is below half the smallest subnormal
+    return float(detail::exp_f64(double(x)));
+}
+
+inline float tanh_f32(float x) {
+    const double a = std::fabs(double(x));
+    if (std::isnan(x) || a < 0x1p-12) return x;
+    if (a >= 10.0) return std::copysign(1.0f, x);
+    const double e = detail::exp_f64(2.0 * a);
+    return std::copysign(float((e - 1.0) / (e + 1.0)), x);
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
 inline float silu(float x) { return x * sigmoid(x); }
 
 // ---------------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@
 //                Trap 5.1.5 of docs/kimi-k3.md: the sigmoid takes the UNCAPPED a, and b1 caps the gate, b2 the up branch.
 //
 // NUMERICS CONTRACT
-//   gate = (b1 * tanhf(a / b1)) * sigmoid(a);  up = b2 * tanhf(b / b2)  (up = b when b2 is null, 0 here);
-//   h = gate * up. Each operation rounded once, in that order; tanhf/expf are the scalar C library
-//   functions in every path (chapter 00 rule 3), so SiTU has one implementation, not a ref and a SIMD.
+//   gate = (b1 * tanh_f32(a / b1)) * sigmoid(a);  up = b2 * tanh_f32(b / b2)  (up = b when b2 is null, 0 here);
+//   h = gate * up. Each operation rounded once, in that order; tanh_f32 and sigmoid are chapter 00's
+//   scalar functions in every path and on every CPU (chapter 00 rule 3), so SiTU has one implementation, not a ref and a SIMD.
 //   The FFNs' matrix products are the kernels of chapters 04/05: dense_ffn_ref / expert_ffn_ref use the
 //   reference kernels, dense_ffn / expert_ffn the dispatched ones, bit-identical. T tokens at once give
 //   per token the bits of one token alone.
@@ -57,8 +57,8 @@ struct Situ {
     float beta2 = 25.0f;  // activation_situ_linear_beta (up branch); 0 = null = no cap
 };
 
-inline float situ_gate(float a, const Situ& s) { return (s.beta1 * std::tanh(a / s.beta1)) * sigmoid(a); }
-inline float situ_up(float b, const Situ& s) { return s.beta2 > 0.0f ? s.beta2 * std::tanh(b / s.beta2) : b; }
+inline float situ_gate(float a, const Situ& s) { return (s.beta1 * tanh_f32(a / s.beta1)) * sigmoid(a); }
+inline float situ_up(float b, const Situ& s) { return s.beta2 > 0.0f ? s.beta2 * tanh_f32(b / s.beta2) : b; }
 
 // h[i] = gate(a[i]) * up(b[i]) for n values (T tokens of F units each, flattened).
 inline void situ_glu(float* h, const float* a, const float* b, std::size_t n, const Situ& s) {  // h (n), a (n), b (n)

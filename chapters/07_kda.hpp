@@ -51,7 +51,7 @@
 //   Projections: chapter 04 (T tokens at once, per-token bits independent of T).
 //   Conv: acc = w0*x0, then acc = acc + w_j*x_j for j = 1..W-1 (taps in time order), y = SiLU(acc).
 //   L2 norm (chapter 03): k_hat = l2norm(k, 1), q_hat = l2norm(q, Dh^-1/2), per head.
-//   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(expf(A_log[h]) * z); alpha = expf(g).
+//   beta = sigmoid(b); z = f + dt_bias; g = lower_bound * sigmoid(exp_f32(A_log[h]) * z); alpha = exp_f32(g).
 //   A_log is read at index h only: entries 0..H-1, whether it is stored [H] (Moonshot's module) or
 //   zero-padded (the release: [128] for 96 heads); never per channel (trap 5.1.1 of docs/kimi-k3.md). Any H and Dh work.
 //   Recurrence per head and value row j, in this order: s_ji = s_ji * alpha_i (all i); p = dot16(s_j,
@@ -188,13 +188,13 @@ inline void short_conv_step(float* y, const float* x, const float* taps, float* 
 inline void kda_decay(float* alpha, float* g_out, const float* f, const float* A_log, const float* dt_bias, const KdaDims& d) {
     // alpha (P), g_out (P) or null, f (P), A_log (H used; any padding after it is never read), dt_bias (P)
     for (std::size_t h = 0; h < d.heads; ++h) {
-        const float a = std::exp(A_log[h]);  // per HEAD: never per channel (trap 5.1.1 of docs/kimi-k3.md)
+        const float a = exp_f32(A_log[h]);  // per HEAD: never per channel (trap 5.1.1 of docs/kimi-k3.md)
         for (std::size_t i = 0; i < d.head_dim; ++i) {
             const std::size_t c = h * d.head_dim + i;
             const float z = f[c] + dt_bias[c];
             const float g = d.lower_bound * sigmoid(a * z);
             if (g_out) g_out[c] = g;
-            alpha[c] = std::exp(g);
+            alpha[c] = exp_f32(g);
         }
     }
 }

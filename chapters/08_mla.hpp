@@ -48,7 +48,7 @@
 //        sums that are not in the 16-lane form; every other sum is.
 //   score_h(s) = (dot(qbar_h, c_s) + dot(q_x_h, k_x_s)) * scale,  scale = 1.0f / sqrtf(float(N + X))
 //        (192^-1/2, not 128^-1/2: the 64 shared dims count); dot = chapter 00's 16-lane dot.
-//   p = softmax over s = 0 .. S0 + t: m = max score; e_s = expf(score_s - m); denom = the 16-lane sum
+//   p = softmax over s = 0 .. S0 + t: m = max score; e_s = exp_f32(score_s - m); denom = the 16-lane sum
 //        of e (e_s in lane s % 16, then hsum16); p_s = e_s / denom. A NaN score makes that head's p NaN.
 //   ctx_h[j] = sum over s ascending of p_s * c_s[j], from +0 (the same transposed product, in f32).
 //   out_h[j] = dot_bf16(W_UV[h][j], ctx_h) (chapter 04's 16-lane row dot).
@@ -378,13 +378,13 @@ inline void matvec_f32(float* y, const float* x, const float* w, std::size_t row
 
 namespace detail {
 // In place: scores (n) -> probabilities. The max is exact in any order; the denominator is pinned
-// (e_s in lane s % 16, hsum16); expf is the C library's in every path.
+// (e_s in lane s % 16, hsum16); exp_f32 is chapter 00's in every path.
 inline void mla_softmax(float* p, std::size_t n) {  // p (n)
     float m = p[0];
     for (std::size_t s = 1; s < n; ++s) m = p[s] > m ? p[s] : m;
     float lanes[kLanes] = {};
     for (std::size_t s = 0; s < n; ++s) {
-        p[s] = std::exp(p[s] - m);
+        p[s] = exp_f32(p[s] - m);
         lanes[s % kLanes] = lanes[s % kLanes] + p[s];
     }
     const float denom = hsum16(lanes);

@@ -36,7 +36,7 @@
 // NUMERICS CONTRACT
 //   w[j] = bf16(norm[j]) * bf16(proj[j]) in f32 (exact: a product of two 8-bit mantissas).
 //   per candidate: inv = rms_inverse(sum_squares(v), D, eps) (chapter 03); s = dot(v, w) * inv.
-//   softmax: m = max s (first max); e_i = expf(s_i - m); denom = sum16(e); pi_i = e_i / denom.
+//   softmax: m = max s (first max); e_i = exp_f32(s_i - m); denom = sum16(e); pi_i = e_i / denom.
 //   out[j] = sum over i in candidate order (bank first, partial last) of pi_i * v_i[j], from +0.
 //   P + a and P + m are f32 additions (one rounding each). D is any width (chapter 00's tail rule).
 //
@@ -84,7 +84,7 @@ inline void attn_res_mix(float* out, const float* const* cand, std::size_t n, co
         if (s[i] > m) m = s[i];
     }
     float acc[kLanes] = {};
-    for (std::size_t i = 0; i < n; ++i) acc[i] = e[i] = std::exp(s[i] - m);
+    for (std::size_t i = 0; i < n; ++i) acc[i] = e[i] = exp_f32(s[i] - m);
     const float denom = hsum16(acc);  // element i in lane i (n <= 16): the chapter-00 sum
     for (std::size_t i = 0; i < n; ++i) s[i] = e[i] / denom;  // s now holds pi
     for (std::size_t j = 0; j < dim; ++j) out[j] = 0.0f;

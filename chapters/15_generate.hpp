@@ -333,7 +333,7 @@ inline std::vector<TokenCandidate> sampling_candidates(std::span<const float> lo
     if (std::isinf(c[0].z) && c[0].z < 0) fail(ErrorKind::runtime, "sample: every logit is -inf");
     float lanes[kLanes] = {};
     for (std::size_t j = 0; j < c.size(); ++j) {
-        c[j].p = std::exp(c[j].z - c[0].z);  // e_j, in (0, 1]; exactly 1 for the first
+        c[j].p = exp_f32(c[j].z - c[0].z);  // e_j, in (0, 1]; exactly 1 for the first
         lanes[j % kLanes] = lanes[j % kLanes] + c[j].p;
     }
     const float sum = hsum16(lanes);

@@ -18,8 +18,8 @@ using namespace kimik3;
 
 // Kimi Linear's gate, which K3 replaced: g = -exp(A_log) softplus(z), unbounded below (f32, as kernels run it).
 static float gate_unbounded(float z, float A_log) {
-    const float softplus = z > 20.0f ? z : std::log1p(std::exp(z));
-    return -std::exp(A_log) * softplus;
+    const float softplus = z > 20.0f ? z : float(std::log1p(double(exp_f32(z))));
+    return -exp_f32(A_log) * softplus;
 }
 
 // One 16-token block of a chunked kernel: the decay from token j to token i >= j is exp(G_i - G_j), G the
@@ -33,8 +33,8 @@ static int block_entries(const std::vector<float>& g, float& largest, double& wo
     largest = 0, worst_rel = 0;
     for (std::size_t i = 0; i < g.size(); ++i)
         for (std::size_t j = 0; j <= i; ++j) {
-            const float f = std::exp(G[i]) * std::exp(-G[j]), direct = std::exp(G[i] - G[j]);
-            largest = std::max(largest, std::exp(-G[j]));
+            const float f = exp_f32(G[i]) * exp_f32(-G[j]), direct = exp_f32(G[i] - G[j]);
+            largest = std::max(largest, exp_f32(-G[j]));
             if (!std::isfinite(f)) ++bad;
             else if (direct > 1e-30f) worst_rel = std::max(worst_rel, std::fabs(double(f) - direct) / direct);
         }
@@ -49,12 +49,12 @@ int main() {
     for (const float z : {-4.0f, 0.0f, 4.0f, 20.0f, 100.0f, 110.0f}) {
         float a = 0, g = 0;
         kda_decay(&a, &g, &z, &zero, &zero, one);  // the engine's gate
-        const float gu = gate_unbounded(z, 0.0f), au = std::exp(gu);
+        const float gu = gate_unbounded(z, 0.0f), au = exp_f32(gu);
         std::printf("  %8.1f %10.4f %12.4g %12.4f %14.4g%s\n", double(z), double(g), double(a), double(gu), double(au),
                     au == 0 ? "  (zero: the memory is gone)" : au < 1.17549435e-38f ? "  (subnormal f32)" : "");
     }
     std::printf("  K3's alpha never falls below e^-5 = %.4f: one token can fade a key channel to 0.7%%, never erase it\n",
-                double(std::exp(-5.0f)));
+                double(exp_f32(-5.0f)));
 
     std::printf("\n7.3 why the bound: a chunked kernel's 16-token block, every factor exp(-G_j) an f32\n");
     std::printf("  %-38s %12s %14s %s\n", "gates in the block", "largest", "non-finite", "factored vs direct");
@@ -94,10 +94,10 @@ int main() {
         std::printf("  token %d: o[3] = %.5f, o[15] = %.5f\n", t + 1, double(o[3]), double(o[15]));
     }
     std::vector<float> S_unbounded = S;
-    alpha[0] = std::exp(-5.0f);  // K3's strongest forgetting
+    alpha[0] = exp_f32(-5.0f);  // K3's strongest forgetting
     kda_recurrence_ref(o.data(), S.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
     std::printf("  token 5 at K3's strongest decay (alpha = e^-5): o[3] = %.5f, o[15] = %.5f: faded, still there\n", double(o[3]), double(o[15]));
-    alpha[0] = std::exp(gate_unbounded(110.0f, 0.0f));  // what the unbounded gate allows: 0
+    alpha[0] = exp_f32(gate_unbounded(110.0f, 0.0f));  // what the unbounded gate allows: 0
     kda_recurrence_ref(o.data(), S_unbounded.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
     std::printf("  token 5 with the unbounded gate at z = 110 (alpha = %g):     o[3] = %.5f, o[15] = %.5f: erased\n", double(alpha[0]),
                 double(o[3]), double(o[15]));
@@ -140,7 +140,7 @@ int main() {
             std::vector<float> gh;
             for (std::size_t t = 0; t < T; ++t) gh.insert(gh.end(), &rec.g[t * P + h * d.head_dim], &rec.g[t * P + (h + 1) * d.head_dim]);
             std::size_t strong = 0, weak = 0;
-            for (float g : gh) strong += g < -4.5f, weak += std::exp(g) > 0.9f;
+            for (float g : gh) strong += g < -4.5f, weak += exp_f32(g) > 0.9f;
             std::vector<float> sorted = gh;
             std::nth_element(sorted.begin(), sorted.begin() + long(sorted.size() / 2), sorted.end());
             double n2 = 0;

@@ -4,19 +4,21 @@
 # machine, tests/main.cpp). A binary that dies without printing its count line (a crash, a sanitizer
 # abort) adds one failure named after it. A script that prints "P passed, F failed" without a skipped
 # count adds 0 skipped. KIMIK3_RUNNER, when set, is a command that runs each binary (make test-aarch64:
-# qemu-aarch64). Usage: tests/run.sh BIN [BIN...]
+# qemu-aarch64). Each binary's line says how long it ran. Usage: tests/run.sh BIN [BIN...]
 set -u
 passed=0
 failed=0
 skipped=0
 for bin in "$@"; do
     name=$(basename "$bin")
+    t0=$(date +%s.%N)
     out=$(${KIMIK3_RUNNER:-} "$bin" 2>&1)
     rc=$?
+    took=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", b - a }')
     printf '%s\n' "$out" | grep -v '^kimik3-tests: '
     line=$(printf '%s\n' "$out" | grep '^kimik3-tests: ' | tail -n 1)
     if [ -z "$line" ]; then
-        echo "$name: exited with status $rc before reporting its results: counted as 1 failed"
+        echo "$name: exited with status $rc before reporting its results ($took): counted as 1 failed"
         failed=$((failed + 1))
         continue
     fi
@@ -27,7 +29,7 @@ for bin in "$@"; do
         echo "$name: exited with status $rc although every case passed: counted as 1 failed"
         f=1
     fi
-    echo "$name: $p passed, $f failed, $s skipped"
+    echo "$name: $p passed, $f failed, $s skipped ($took)"
     passed=$((passed + p))
     failed=$((failed + f))
     skipped=$((skipped + s))

@@ -2,6 +2,9 @@
 #include "../chapters/00_numerics.hpp"
 
 #include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "check.hpp"
@@ -170,6 +173,46 @@ TEST_CASE("0.7 scalar transcendentals: sigmoid(0) = 0.5 and SiLU(0) = 0 exactly"
     // exp(100) = 2.7e43 overflows f32 to Inf, and 1/(1+Inf) is a clean 0, never NaN.
     CHECK(sigmoid(-100.0f) == 0.0f);
     CHECK(sigmoid(100.0f) == 1.0f);
+}
+
+TEST_CASE("0.7 exp_f32 and tanh_f32: within one ulp of the exact value, and the same bits on every CPU") {
+    // Every 4099th float: against the double-precision C library rounded once to float (its error is far
+    // below a float's ulp), exp_f32 is within one ulp everywhere and tanh_f32 too.
+    auto ulps = [](float a, float b) {
+        const auto ia = std::int64_t(std::bit_cast<std::int32_t>(a)), ib = std::int64_t(std::bit_cast<std::int32_t>(b));
+        return ia > ib ? ia - ib : ib - ia;
+    };
+    std::int64_t worst_exp = 0, worst_tanh = 0, differ = 0;
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the results' bits: pinned below
+    auto mix = [&](float v) {
+        const std::uint32_t b = std::bit_cast<std::uint32_t>(v);
+        for (int i = 0; i < 4; ++i) h = (h ^ ((b >> (8 * i)) & 0xFFu)) * 1099511628211ull;
+    };
+    for (std::uint64_t bits = 0; bits < (1ull << 32); bits += 4099) {
+        const float x = std::bit_cast<float>(std::uint32_t(bits));
+        if (!std::isfinite(x)) continue;
+        const float e = exp_f32(x), t = tanh_f32(x);
+        if (std::fabs(x) < 110.0f) worst_exp = std::max(worst_exp, ulps(e, float(std::exp(double(x)))));
+        worst_tanh = std::max(worst_tanh, ulps(t, float(std::tanh(double(x)))));
+        differ += t != std::tanh(x);
+        mix(e), mix(t);
+    }
+    CHECK(worst_exp <= 1);
+    CHECK(worst_tanh <= 1);
+    MESSAGE("glibc's tanhf gives other bits than tanh_f32 on ", differ, " of the inputs swept (it is not correctly rounded)");
+    char got[17];
+    std::snprintf(got, sizeof got, "%016llx", (unsigned long long)h);
+    INFO("the bits of exp_f32/tanh_f32 over the sweep hash to ", got, ": a CPU or compiler that gives other bits breaks rule 3");
+    CHECK(std::string(got) == "6387e1b518696903");
+    // The edges: NaN stays NaN, overflow is Inf, underflow 0, tanh saturates and keeps the sign of 0.
+    CHECK(std::isnan(exp_f32(NAN)));
+    CHECK(exp_f32(89.0f) == INFINITY);
+    CHECK(exp_f32(-104.0f) == 0.0f);
+    CHECK(exp_f32(0.0f) == 1.0f);
+    CHECK(tanh_f32(20.0f) == 1.0f);
+    CHECK(tanh_f32(-20.0f) == -1.0f);
+    CHECK(std::signbit(tanh_f32(-0.0f)));
+    CHECK(tanh_f32(1e-30f) == 1e-30f);
 }
 
 TEST_CASE("0.8 parallel_rows visits every row exactly once, for any thread count") {

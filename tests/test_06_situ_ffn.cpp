@@ -17,8 +17,8 @@ TEST_CASE("6.1 SiTU worked by hand: zero, both caps saturated, and the uncapped 
     // The sigmoid takes the uncapped a (trap 5.1.5 of docs/kimi-k3.md): at a = 8, sigmoid(8) = 0.99966 while a capped
     // argument, sigmoid(4 tanh(2)) = sigmoid(3.856), would be 0.9793.
     const float a = 8.0f;
-    CHECK(situ_gate(a, s) == (4.0f * std::tanh(2.0f)) * sigmoid(8.0f));
-    CHECK(situ_gate(a, s) != (4.0f * std::tanh(2.0f)) * sigmoid(4.0f * std::tanh(2.0f)));
+    CHECK(situ_gate(a, s) == (4.0f * tanh_f32(2.0f)) * sigmoid(8.0f));
+    CHECK(situ_gate(a, s) != (4.0f * tanh_f32(2.0f)) * sigmoid(4.0f * tanh_f32(2.0f)));
     // Small a: SiTU's gate is SiLU to within (a/4)^2/3: at a = 0.1 the relative difference is ~2e-4.
     CHECK(std::fabs(situ_gate(0.1f, s) - silu(0.1f)) / silu(0.1f) < 3e-4);
     // b2 = 0 means the config said null: the up branch is the identity.

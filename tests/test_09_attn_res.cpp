@@ -27,7 +27,7 @@ TEST_CASE("9.1 a two-candidate mix worked by hand") {
     for (float x : w) CHECK(x == 1.0f);
     const float* c[2] = {v1.data(), v2.data()};
     attn_res_mix(out.data(), c, 2, w.data(), 16, 0.0f, pi.data());
-    const float e = std::exp(-32.0f);  // e_1 = exp(16 - 16) = 1, e_2 = exp(-16 - 16)
+    const float e = exp_f32(-32.0f);  // e_1 = exp(16 - 16) = 1, e_2 = exp(-16 - 16)
     CHECK(pi[0] == 1.0f / (1.0f + e));
     CHECK(pi[1] == e / (1.0f + e));
     CHECK(out[0] == (0.0f + pi[0] * 2.0f) + pi[1] * -3.0f);
