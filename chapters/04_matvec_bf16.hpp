@@ -502,25 +502,37 @@ struct RowStream {
     virtual bool for_each_chunk_in(std::size_t, std::size_t, const std::function<void(std::size_t, std::size_t, const void*)>&) { return false; }
 };
 
+struct RowRange {
+    std::size_t begin = 0, end = 0;  // rows [begin, end)
+};
 struct MatrixRef {
-    const void* data = nullptr;    // (rows, cols) row-major, when resident
+    const void* data = nullptr;    // (rows, cols) row-major, when resident: row `held.begin` first
     RowStream* stream = nullptr;   // otherwise: rows arrive in chunks
     std::size_t rows = 0, cols = 0;
     WeightType type = WeightType::bf16;  // the release's; F16 and F32 checkpoints work too (4.5)
+    RowRange held{0, SIZE_MAX};    // resident: the rows held (a rank's share, chapter 17); all by default
     std::size_t row_bytes() const { return cols * weight_bytes(type); }
+    bool holds(std::size_t b, std::size_t e) const { return held.begin <= b && e <= std::min(held.end, rows); }
 };
+namespace detail {
+[[noreturn]] inline void not_held(const MatrixRef& w, std::size_t b, std::size_t e) {
+    fail(ErrorKind::runtime, "a matrix of " + std::to_string(w.rows) + " rows holds rows [" + std::to_string(w.held.begin) + ", " +
+                                 std::to_string(std::min(w.held.end, w.rows)) + ") only (this process's share), not [" + std::to_string(b) + ", " +
+                                 std::to_string(e) + ")");
+}
+}  // namespace detail
 
 // Visits W's rows in order, in one piece when resident or chunk by chunk when streamed: for kernels
 // that need the rows themselves (chapter 08's transposed products), not just W x.
 inline void for_each_rows(const MatrixRef& w, const std::function<void(std::size_t r0, std::size_t r1, const void* rows)>& f) {
-    if (w.data) return f(0, w.rows, w.data);
+    if (w.data) return w.holds(0, w.rows) ? f(0, w.rows, w.data) : detail::not_held(w, 0, w.rows);
     if (!w.stream) fail(ErrorKind::runtime, "for_each_rows: a matrix with neither data nor a stream");
     w.stream->for_each_chunk(f);
 }
 // Rows [b, e) of W only (chapter 17: a rank's share): read alone where the stream can, else cut from its chunks.
 inline void for_each_rows(const MatrixRef& w, std::size_t b, std::size_t e, const std::function<void(std::size_t, std::size_t, const void*)>& f) {
     if (b >= e) return;
-    if (w.data) return f(b, e, static_cast<const std::byte*>(w.data) + b * w.row_bytes());
+    if (w.data) return w.holds(b, e) ? f(b, e, static_cast<const std::byte*>(w.data) + (b - w.held.begin) * w.row_bytes()) : detail::not_held(w, b, e);
     if (w.stream && w.stream->for_each_chunk_in(b, e, f)) return;
     for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
         const std::size_t a = std::max(r0, b), z = std::min(r1, e);
@@ -535,6 +547,7 @@ using TypedMatmul = void (*)(WeightType, float*, const float*, const void*, std:
 struct RowSplit {
     virtual ~RowSplit() = default;
     virtual void linear(TypedMatmul mm, float* y, const float* x, std::size_t tokens, const MatrixRef& w) = 0;  // y (T, out)
+    virtual RowRange rows(std::size_t n) const = 0;  // the rows of an n-row matrix this process computes
 };
 inline RowSplit*& row_split() {
     static RowSplit* split = nullptr;
@@ -545,7 +558,7 @@ inline RowSplit*& row_split() {
 // y = W x: linear -> matmul_typed -> the kernel 4.4 chose (e.g. matmul_bf16_avx512) -> its loop.
 inline void linear(float* y, const float* x, std::size_t tokens, const MatrixRef& w) {  // y (T, out), x (T, in)
     if (RowSplit* s = row_split(); s && !in_parallel()) return s->linear(use_simd ? matmul_typed_simd : matmul_typed_ref, y, x, tokens, w);
-    if (w.data) return matmul_typed(w.type, y, x, w.data, tokens, w.rows, w.cols);
+    if (w.data && w.holds(0, w.rows)) return matmul_typed(w.type, y, x, w.data, tokens, w.rows, w.cols);
     for_each_rows(w, [&](std::size_t r0, std::size_t r1, const void* rows) {
         matmul_typed(w.type, y + r0, x, rows, tokens, r1 - r0, w.cols, w.rows);
     });

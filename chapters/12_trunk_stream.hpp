@@ -151,12 +151,12 @@ inline bool is_streamable_matrix(const TensorInfo& t) { return is_streamable_mat
 inline std::uint64_t small_resident_bytes(const Shape& shape) { return std::uint64_t(shape.numel()) * 4; }
 
 namespace detail {
-// Adds one layer tensor (its dtype, shape) to the per-unit sums.
-inline void add_unit_tensor(UnitBytes& u, std::uint64_t& mat, std::uint64_t& small, DType dtype, const Shape& shape) {
+// Adds one layer tensor (its dtype, shape; of a matrix, `rows` of its rows) to the per-unit sums.
+inline void add_unit_tensor(UnitBytes& u, std::uint64_t& mat, std::uint64_t& small, DType dtype, const Shape& shape, std::uint64_t rows) {
     if (is_streamable_matrix(dtype, shape)) {
-        const std::uint64_t bytes = std::uint64_t(shape.numel()) * dtype_size(dtype);
+        const std::uint64_t row = std::uint64_t(shape.numel()) / std::uint64_t(shape[0]) * dtype_size(dtype), bytes = rows * row;
         mat += bytes;
-        u.largest_row = std::max<std::uint64_t>(u.largest_row, bytes / std::uint64_t(shape[0]));
+        u.largest_row = std::max<std::uint64_t>(u.largest_row, row);
         u.largest_matrix = std::max(u.largest_matrix, bytes);
     } else {
         small += small_resident_bytes(shape);
@@ -174,7 +174,7 @@ inline UnitBytes unit_bytes(const Config& c) {
     UnitBytes u;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         std::uint64_t mat = 0, small = 0;
-        for (const Expected& e : expected_layer_tensors(c, l)) detail::add_unit_tensor(u, mat, small, e.dtypes[0], e.shape);
+        for (const Expected& e : expected_layer_tensors(c, l)) detail::add_unit_tensor(u, mat, small, e.dtypes[0], e.shape, std::uint64_t(e.shape[0]));
         u.layer_matrix.push_back(mat);
         u.layer_small.push_back(small);
     }
@@ -182,19 +182,7 @@ inline UnitBytes unit_bytes(const Config& c) {
     return u;
 }
 
-// From a bound checkpoint: the same, with every tensor's real dtype (a checkpoint may store F32 or F16).
-inline UnitBytes unit_bytes(const ModelTensors& m) {
-    UnitBytes u;
-    for (const LayerTensors& lt : m.layers) {
-        std::uint64_t mat = 0, small = 0;
-        for (const Checkpoint::Ref* r : lt.all) detail::add_unit_tensor(u, mat, small, r->info->dtype, r->info->shape);
-        u.layer_matrix.push_back(mat);
-        u.layer_small.push_back(small);
-    }
-    const TensorInfo& head = *m.lm_head->info;
-    detail::add_lm_head(u, head.nbytes(), head.nbytes() / std::uint64_t(std::max<std::int64_t>(head.shape[0], 1)));
-    return u;
-}
+// From a bound checkpoint (its real dtypes, a rank's rows): unit_bytes(ModelTensors) in appendix 12b.
 
 inline std::string plan_error_floor(const Plan& p) {
     return "budget " + human_bytes(double(p.budget)) + " (" + std::to_string(p.budget) + " bytes) is below the floor of " +

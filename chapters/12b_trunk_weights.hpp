@@ -46,6 +46,30 @@ inline WeightType weight_type(const TensorInfo& t) {
     fail(ErrorKind::format, "tensor '" + t.name + "': dtype " + dtype_name(t.dtype) + " is not a matrix dtype (BF16, F16, F32)");
 }
 
+// The rows of a matrix that this process holds and computes: all of them (no function), or an MPI rank's
+// share (chapter 17). The plan and the trunk's loader count and load those rows only.
+using RowsOf = std::function<RowRange(const Checkpoint::Ref&)>;
+
+// The units of a bound checkpoint, summed as unit_bytes(Config) sums them, with every tensor's real
+// dtype (a checkpoint may store F32 or F16), of the rows this process holds (rows_of; none: all).
+inline UnitBytes unit_bytes(const ModelTensors& m, const RowsOf& rows_of = {}) {
+    auto held = [&](const Checkpoint::Ref* r) {
+        const RowRange h = rows_of ? rows_of(*r) : RowRange{0, std::size_t(r->info->shape[0])};
+        return std::uint64_t(h.end - h.begin);
+    };
+    UnitBytes u;
+    for (const LayerTensors& lt : m.layers) {
+        std::uint64_t mat = 0, small = 0;
+        for (const Checkpoint::Ref* r : lt.all) detail::add_unit_tensor(u, mat, small, r->info->dtype, r->info->shape, is_streamable_matrix(*r->info) ? held(r) : 0);
+        u.layer_matrix.push_back(mat);
+        u.layer_small.push_back(small);
+    }
+    const TensorInfo& head = *m.lm_head->info;
+    const std::uint64_t row = head.nbytes() / std::uint64_t(std::max<std::int64_t>(head.shape[0], 1));
+    detail::add_lm_head(u, held(m.lm_head) * row, row);
+    return u;
+}
+
 // A bound 2-D tensor as the kernels see it, given where its bytes are.
 inline MatrixRef matrix_ref(const Checkpoint::Ref* r, const void* bytes) {
     return MatrixRef{bytes, nullptr, std::size_t(r->info->shape[0]), std::size_t(r->info->shape[1]), weight_type(*r->info)};
@@ -102,7 +126,10 @@ struct TrunkStats {
 // pinned matrices from memory, other matrices streamed through the ring, embedding rows on demand.
 class TrunkWeights {
   public:
-    TrunkWeights(const ModelTensors& m, const Plan& plan, const TrunkLayout* trunk, bool direct, const Progress& progress = {})
+    // rows_of: the rows of each matrix this process computes (chapter 17's ranks); a pinned matrix is
+    // read at those rows only. None: every row.
+    TrunkWeights(const ModelTensors& m, const Plan& plan, const TrunkLayout* trunk, bool direct, const Progress& progress = {},
+                 const RowsOf& rows_of = {})
         : m_(m), plan_(plan) {
         // sources: every shard (and trunk.bin), buffered + O_DIRECT descriptors
         for (const auto& layer : m.layers)
@@ -114,33 +141,46 @@ class TrunkWeights {
         if (plan.ring_slots > 0) ring_ = std::make_unique<PieceRing>(plan.ring_slots, plan.chunk_bytes, plan.ring_slots > 0);
         // what is loaded at start: small tensors of every layer, pinned matrices, maybe the embedding
         std::uint64_t total = 0, done = 0;
-        std::vector<std::pair<const Checkpoint::Ref*, bool>> load;  // (tensor, is a matrix)
+        struct Load {
+            const Checkpoint::Ref* r;
+            bool mat;    // a matrix (else a small tensor, read whole)
+            RowRange h;  // a matrix's rows to read
+        };
+        std::vector<Load> load;
+        auto add = [&](const Checkpoint::Ref* r, bool mat) {
+            const std::size_t rows = std::size_t(r->info->shape.rank ? r->info->shape[0] : 1);
+            const RowRange h = rows_of && mat && r != m.embed ? rows_of(*r) : RowRange{0, rows};
+            load.push_back({r, mat, h});
+            total += mat ? r->info->nbytes() / rows * (h.end - h.begin) : r->info->nbytes();
+        };
         for (std::size_t l = 0; l < m.layers.size(); ++l)
             for (const Checkpoint::Ref* r : m.layers[l].all) {
                 const bool mat = is_streamable_matrix(*r->info);
-                if (!mat || plan.pinned[l]) load.push_back({r, mat}), total += r->info->nbytes();
+                if (!mat || plan.pinned[l]) add(r, mat);
             }
-        for (const Checkpoint::Ref* r : {m.final_norm, m.out_res_norm, m.out_res_proj}) load.push_back({r, false}), total += r->info->nbytes();
-        if (plan.lm_head_pinned) load.push_back({m.lm_head, true}), total += m.lm_head->info->nbytes();
-        if (plan.embed_resident) load.push_back({m.embed, true}), total += m.embed->info->nbytes();
-        for (auto [r, mat] : load) {  // O_DIRECT where possible: no second copy in the page cache
-            const auto [src, off] = where(r);
+        for (const Checkpoint::Ref* r : {m.final_norm, m.out_res_norm, m.out_res_proj}) add(r, false);
+        if (plan.lm_head_pinned) add(m.lm_head, true);
+        if (plan.embed_resident) add(m.embed, true);
+        for (auto [r, mat, h] : load) {  // O_DIRECT where possible: no second copy in the page cache
+            const std::uint64_t row = mat ? r->info->nbytes() / std::uint64_t(r->info->shape[0]) : 0;
+            const std::uint64_t off = where(r).second + h.begin * row, n = mat ? (h.end - h.begin) * row : r->info->nbytes();
+            const PieceSource* src = where(r).first;
             const std::uint64_t start = off / kPageAlign * kPageAlign;
-            const std::size_t skew = std::size_t(off - start), need = skew + std::size_t(r->info->nbytes());
+            const std::size_t skew = std::size_t(off - start), need = skew + std::size_t(n);
             Resident& res = resident_[r->info];
             res.buf.resize(round_up(need, kPageAlign));
-            res.skew = skew;
+            res.skew = skew, res.held = h;
             if (src->direct_fd < 0 || detail::pread_direct(src->direct_fd, src->fd, res.buf.data(), start, round_up(need, kPageAlign), need, *src->path) == 0)
-                pread_exact(src->fd, res.buf.data() + skew, std::size_t(r->info->nbytes()), off, *src->path);
-            res.skew = detail::align_piece(res.buf.data(), skew, std::size_t(r->info->nbytes()));
+                pread_exact(src->fd, res.buf.data() + skew, std::size_t(n), off, *src->path);
+            res.skew = detail::align_piece(res.buf.data(), skew, std::size_t(n));
             if (!mat) require_finite(*r->info, res.data());  // norms, biases, decay parameters: checked once, here
-            done += r->info->nbytes();
+            done += n;
             if (progress) progress("load", done, total);
         }
         stats_.startup_bytes = total;
         // small tensors are kept widened to f32 (exactly; F32 ones as they are): the forward pass reads
         // every norm, conv tap and bias as f32 whatever dtype the checkpoint chose
-        for (auto [r, mat] : load) {
+        for (auto [r, mat, h] : load) {
             if (mat) continue;
             Resident& res = resident_.at(r->info);
             const std::size_t n = std::size_t(r->info->numel());
@@ -187,7 +227,11 @@ class TrunkWeights {
     }
     MatrixRef matrix(const Checkpoint::Ref* r) const {
         auto it = resident_.find(r->info);
-        if (it != resident_.end()) return matrix_ref(r, it->second.data());
+        if (it != resident_.end()) {
+            MatrixRef m = matrix_ref(r, it->second.data());
+            m.held = it->second.held;
+            return m;
+        }
         MatrixRef m = matrix_ref(r, nullptr);
         m.stream = streams_.at(r->info).get();
         return m;
@@ -252,6 +296,7 @@ class TrunkWeights {
     struct Resident {  // a tensor read at start: its bytes begin `skew` into the (O_DIRECT-aligned) buffer
         AlignedBuffer buf;
         std::size_t skew = 0;
+        RowRange held;           // matrices: the rows read (all, or this rank's share)
         std::vector<float> f32;  // small tensors: the values widened to f32 (then buf is released)
         const std::byte* data() const { return buf.data() + skew; }
     };

@@ -56,6 +56,7 @@
 #include <memory>
 #include <span>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "02_config.hpp"
@@ -83,6 +84,27 @@ struct ModelOptions {
     std::function<void(const Plan&, const Config&)> on_plan;  // called before any weight is read (may throw)
 };
 
+// The rows of each matrix this process computes, and the experts it may cache. With chapter 17's splits
+// installed (one MPI rank of several): every matrix the forward pass multiplies through `linear`, at the
+// rank's rows (MLA's kv_b_proj, read by the absorbed form's own kernels, and the embedding whole), and
+// only the experts it owns; then the plan is made, and the trunk pinned, of that share alone.
+inline RowsOf process_rows(const ModelTensors& m, const RowSplit* split) {
+    if (!split) return {};
+    std::set<const TensorInfo*> whole;
+    for (const LayerTensors& lt : m.layers)
+        if (lt.kv_b_proj) whole.insert(lt.kv_b_proj->info);
+    return [split, whole](const Checkpoint::Ref& r) {
+        const std::size_t n = std::size_t(r.info->shape[0]);
+        return whole.count(r.info) ? RowRange{0, n} : split->rows(n);
+    };
+}
+inline std::size_t process_experts(const ModelTensors& m, const ExpertSplit* split) {
+    std::size_t n = 0;
+    for (std::size_t l = 0; l < m.experts.size(); ++l)
+        for (std::size_t e = 0; e < m.experts[l].size(); ++e) n += !split || split->owns(int(l), int(e));
+    return n;
+}
+
 class Model {
   public:
     Config config;
@@ -95,14 +117,18 @@ class Model {
         : config(load_config(dir)), checkpoint(dir), tensors(bind_tensors(checkpoint, config)),
           census(take_census(checkpoint, config, tensors)) {
         const std::uint64_t budget = o.budget ? o.budget : UINT64_MAX / 4;
+        const RowsOf rows = process_rows(tensors, row_split());
+        UnitBytes units = unit_bytes(tensors, rows);
+        if (expert_split()) units.experts = process_experts(tensors, expert_split());
         PlanOptions po = o.plan;
-        if (!o.budget && !po.expert_slots)  // everything resident: every expert of every layer
-            po.expert_slots = std::size_t(config.num_experts) * std::size_t(std::max(1, config.moe_layer_count()));
-        plan = make_plan(config, census, budget, po, unit_bytes(tensors));
+        if (!o.budget && !po.expert_slots)  // everything resident: every expert of every layer (that this process owns)
+            po.expert_slots = expert_split() ? std::max<std::size_t>(1, units.experts)
+                                             : std::size_t(config.num_experts) * std::size_t(std::max(1, config.moe_layer_count()));
+        plan = make_plan(config, census, budget, po, units);
         if (budget < plan.floor) fail(ErrorKind::budget, plan_error_floor(plan));
         if (o.on_plan) o.on_plan(plan, config);
         if (!o.trunk_dir.empty()) trunk_layout_ = load_trunk(o.trunk_dir, tensors);
-        trunk_ = std::make_unique<TrunkWeights>(tensors, plan, trunk_layout_ ? &*trunk_layout_ : nullptr, o.direct, o.progress);
+        trunk_ = std::make_unique<TrunkWeights>(tensors, plan, trunk_layout_ ? &*trunk_layout_ : nullptr, o.direct, o.progress, rows);
         if (config.moe_layer_count() > 0)
             experts_ = std::make_unique<ExpertCache>(tensors, config, std::max<std::size_t>(plan.expert_slots, 1),
                                                      ExpertCacheOptions{o.direct, o.expert_readers, PolicyKind::lru});

@@ -69,8 +69,10 @@
 //   only experts it owns (chapter 10 asks it for no other), and a streamed matrix is read only at the
 //   rank's rows (for_each_rows over a range, chapter 12's MatrixStream: at the floor, in 16 KiB pieces,
 //   a rank of 2 reads 3.9 MB per token of the little K3 where one process reads 7.6 MB; mpi_logits
-//   checks it). But the run still plans with the whole model's units and pins whole matrices: pinning
-//   only the share, at the rank's plan, is the open item (README).
+//   checks it), and each rank's Model plans and pins its share alone: chapter 13's process_rows gives
+//   make_plan the share's units and the trunk's loader only the rank's rows of each pinned matrix
+//   (MatrixRef::held), so a rank's memory is its share's plan (mpi_logits checks the plan equals
+//   rank_plans' at three budgets, and that resident a rank reads at start exactly its share's bytes).
 //
 // NUMERICS CONTRACT
 //   Bit-identical logits at every rank count and every thread count per rank (each rank splits its own
@@ -113,9 +115,7 @@ namespace kimik3 {
 // ---------------------------------------------------------------------------------------------------
 // 17.1 The share of a rank: contiguous, like chapter 00's threads
 // ---------------------------------------------------------------------------------------------------
-struct Share {
-    std::size_t begin = 0, end = 0;
-};
+using Share = RowRange;  // chapter 04's: rows [begin, end)
 inline Share rank_share(std::size_t n, int rank, int ranks) {
     return {n * std::size_t(rank) / std::size_t(ranks), n * std::size_t(rank + 1) / std::size_t(ranks)};
 }
@@ -157,6 +157,8 @@ class MpiRowSplit : public RowSplit {
   public:
     MpiRowSplit(int rank, int ranks) : rank_(rank), ranks_(ranks) {}
     MpiStats stats;
+
+    RowRange rows(std::size_t n) const override { return rank_share(n, rank_, ranks_); }
 
     void linear(TypedMatmul mm, float* y, const float* x, std::size_t tokens, const MatrixRef& w) override {
         const Share s = rank_share(w.rows, rank_, ranks_);
@@ -429,11 +431,16 @@ inline std::vector<RankShare> empty_shares(std::size_t layers, int ranks) {
 }  // namespace detail
 
 // Of a bound checkpoint, with every tensor's real dtype.
+// Its units are what rank k's Model plans with (chapter 13's process_rows under rank k's row split).
 inline std::vector<RankShare> rank_shares(const Config& c, const ModelTensors& m, int ranks) {
     std::vector<RankShare> out = detail::empty_shares(m.layers.size(), ranks);
-    for (std::size_t l = 0; l < m.layers.size(); ++l)
-        for (const Checkpoint::Ref* r : m.layers[l].all) detail::add_rank_tensor(out, int(l), r->info->dtype, r->info->shape, r != m.layers[l].kv_b_proj);
-    detail::add_rank_tensor(out, -1, m.lm_head->info->dtype, m.lm_head->info->shape, true);
+    for (int k = 0; k < ranks; ++k) {
+        const MpiRowSplit split(k, ranks);
+        RankShare& r = out[std::size_t(k)];
+        r.units = unit_bytes(m, process_rows(m, &split));
+        r.trunk = r.units.lm_head;
+        for (std::uint64_t b : r.units.layer_matrix) r.trunk += b;
+    }
     std::vector<std::size_t> experts;
     for (const std::vector<ExpertLocation>& layer : m.experts) experts.push_back(layer.size());
     detail::add_rank_experts(out, experts, m.expert_bytes, c.num_experts_per_token);

@@ -61,8 +61,8 @@ int main(int argc, char** argv) {
         int same = spread.ids == alone.ids && spread.logits == alone.logits, all_same = 0;
         MPI_Allreduce(&same, &all_same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
         auto text = [&](const std::vector<std::int64_t>& ids) { return tok.decode_text(std::vector<std::uint32_t>(ids.begin(), ids.end())); };
-        std::printf("\n17.2-17.3 the little K3 at its floor budget (%s), greedy, over the job's ranks\n",
-                    human_bytes(double(model.plan.budget)).c_str());
+        std::printf("\n17.2-17.3 the little K3 at the floor budget (one process: %s; each rank: its share's floor), greedy, over the job's ranks\n",
+                    human_bytes(double(alone_model.plan.budget)).c_str());
         std::printf("  \"%s\" continues: \"%s\"\n", text(prompt).c_str(), text(spread.ids).c_str());
         std::printf("  tokens and all %zu rows of logits against one process with no split: %s on every rank\n", spread.ids.size(),
                     all_same ? "bit-identical" : "DIFFERENT");

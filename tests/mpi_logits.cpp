@@ -6,7 +6,7 @@
 // resident, equal them bit for bit; (c) at the smallest budget (every matrix streamed, 2 expert slots)
 // too; (d) one decode step sends exactly the collectives and floats mpi_traffic counts from the config,
 // and this rank receives what it counts for a rank; (e) each rank's plan (17.6, arithmetic: no MPI);
-// (f) streamed, a rank reads only its rows of every split matrix.
+// (f) streamed, a rank reads only its rows of every split matrix; (g) it plans and pins its share alone.
 // Rank 0 prints "kimik3-tests: mpi-N-ranks-tT P passed, F failed" (tests/run.sh reads it).
 #include <cmath>
 #include <cstdio>
@@ -129,6 +129,39 @@ void stream_gates(MpiJob& job, const std::string& dir, const std::string& rel, c
               " alone; its share says " + std::to_string(std::uint64_t(want)));
 }
 
+// (g) a rank plans and pins its share alone: its Model's plan is rank_plans' plan for it (at the floor, at
+// a budget in between and everything resident), and resident it reads at start exactly its share's matrix
+// bytes where one process reads the whole trunk's (the small tensors and the embedding alike on both).
+void share_gates(MpiJob& job, const std::string& dir, const std::string& rel) {
+    RowSplit* rows = row_split();
+    ExpertSplit* experts = expert_split();
+    row_split() = nullptr, expert_split() = nullptr;
+    Model alone(dir, ModelOptions{});
+    row_split() = rows, expert_split() = experts;
+    const std::vector<RankShare> shares = rank_shares(alone.config, alone.tensors, job.ranks());
+    const RankShare& sh = shares[std::size_t(job.rank())];
+    const RankShare whole = rank_shares(alone.config, alone.tensors, 1)[0];
+    Model mine(dir, ModelOptions{});
+    const std::uint64_t a = alone.trunk().stats().startup_bytes, b = mine.trunk().stats().startup_bytes;
+    check(b + (whole.trunk - sh.trunk) == a, job.rank(),
+          rel + ": resident, this rank read " + std::to_string(b) + " bytes at start, one process " + std::to_string(a) + "; its share holds " +
+              std::to_string(whole.trunk - sh.trunk) + " bytes of matrix rows fewer");
+    check(mine.plan.expert_slots == sh.experts, job.rank(), rel + ": resident, the expert cache has a slot for each owned expert");
+    const std::uint64_t floor = rank_plans(alone.config, alone.census, 0, PlanOptions{}, shares)[std::size_t(job.rank())].plan.floor;
+    for (std::uint64_t budget : {floor, floor + (sh.trunk / 2)}) {
+        ModelOptions o;
+        o.budget = budget;
+        Model m(dir, o);
+        const Plan want = rank_plans(m.config, m.census, budget, o.plan, shares)[std::size_t(job.rank())].plan;
+        check(m.plan.pinned == want.pinned && m.plan.lm_head_pinned == want.lm_head_pinned && m.plan.pinned_bytes == want.pinned_bytes &&
+                  m.plan.expert_slots == want.expert_slots,
+              job.rank(), rel + ": at " + std::to_string(budget) + " bytes this rank's Model plans as rank_plans says (pins " +
+                              std::to_string(m.plan.pinned_layers()) + " layers, " + std::to_string(m.plan.pinned_bytes) + " bytes; rank_plans " +
+                              std::to_string(want.pinned_layers()) + ", " + std::to_string(want.pinned_bytes) + ")");
+        check(m.trunk().stats().startup_bytes <= b, job.rank(), rel + ": a smaller budget reads no more at start");
+    }
+}
+
 void gates(MpiJob& job, const std::string& rel) {
     const std::string dir = std::string(KIMIK3_SOURCE_DIR) + "/" + rel;
     const std::vector<std::int64_t> ids = to_i64(SafetensorsFile(dir + "/reference/model.safetensors").read("tf_ids"));
@@ -152,6 +185,7 @@ void gates(MpiJob& job, const std::string& rel) {
 
     plan_gates(job.rank(), probe, rel);  // (e)
     stream_gates(job, dir, rel, ids);    // (f)
+    share_gates(job, dir, rel);          // (g)
 
     Session s(probe.config, 64);  // (d) one decode step's traffic
     std::vector<float> logits(std::size_t(probe.config.vocab_size));
