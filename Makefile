@@ -103,11 +103,17 @@ deps:
 # train-deps: what the little K3's training needs beyond deps: Debian's python3-torch and numpy, and
 # OpenBLAS (python3-torch links libblas.so.3, which is the slow reference BLAS unless an OpenBLAS package
 # provides it), and npm (the npm corpus packages; apt-get download fetches the Debian ones).
+# Only what is missing is installed: a machine whose node comes with its own npm must not be asked for
+# Debian's npm, which conflicts with that node.
 train-deps:
-	@if ! /usr/bin/python3 -c "import torch, numpy" >/dev/null 2>&1 || ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
-	  echo "train-deps: installing python3-torch python3-numpy libopenblas0-pthread npm"; \
+	@pkgs=; /usr/bin/python3 -c "import torch" >/dev/null 2>&1 || pkgs="$$pkgs python3-torch"; \
+	/usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || pkgs="$$pkgs python3-numpy"; \
+	ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || pkgs="$$pkgs libopenblas0-pthread"; \
+	command -v npm >/dev/null 2>&1 || pkgs="$$pkgs npm"; \
+	if [ -n "$$pkgs" ]; then \
+	  echo "train-deps: installing$$pkgs"; \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-torch python3-numpy libopenblas0-pthread npm; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$pkgs; \
 	fi
 
 # ---- all: every program -----------------------------------------------------------------------------

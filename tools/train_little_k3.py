@@ -1132,6 +1132,60 @@ def update_router_bias(model, speed):
         moe.e_score_correction_bias += speed * torch.sign(load.mean() - load)
 
 
+class DataParallel:
+    """--procs P: P processes on one machine, each running this script with --rank r; every step each computes
+    the gradients of its micro-batches, and one all-reduce (gloo, in float32) sums them, with the loss and the
+    experts' loads. With two processes and two micro-batches that sum is g0 + g1, exactly what one process
+    accumulates, so every process applies the same step and holds the same weights; rank 0 alone logs,
+    evaluates and checkpoints. The helpers die with rank 0 (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, args, argv):
+        import torch.distributed as dist
+        self.dist = dist
+        self.helpers = []
+        init = os.path.join(os.path.abspath(args.work), f"dist-{os.getppid() if args.rank else os.getpid()}")
+        if args.rank == 0:
+            if os.path.exists(init):
+                os.remove(init)
+            base = [sys.executable, os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None else argv)
+            for r in range(1, args.procs):
+                self.helpers.append(subprocess.Popen(base + ["--rank", str(r)], preexec_fn=self._die_with_parent))
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=args.rank, world_size=args.procs)
+
+    @staticmethod
+    def _die_with_parent():
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+    def sum_step(self, model, loss, loads):
+        # a parameter no process gave a gradient keeps none (AdamW then skips it, as in one process)
+        present = torch.tensor([float(p.grad is not None) for p in model.parameters()])
+        self.dist.all_reduce(present)
+        params = [p for p, n in zip(model.parameters(), present.tolist()) if n > 0]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.dist.all_reduce(flat)
+        at = 0
+        for p in params:
+            p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        extra = torch.cat([torch.tensor([loss], dtype=torch.float64)] + [l.to(torch.float64).reshape(-1) for l in loads])
+        self.dist.all_reduce(extra)
+        out, at = [], 1
+        for l in loads:
+            out.append(extra[at:at + l.numel()].to(l.dtype).view_as(l))
+            at += l.numel()
+        return float(extra[0]), out
+
+    def close(self):
+        self.dist.destroy_process_group()
+        for h in self.helpers:
+            h.wait()
+
+
 def lr_at(step, steps, peak, warmup):
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -1200,6 +1254,10 @@ def main(argv=None):
     ap.add_argument("--bias-speed", type=float, default=1e-3, help="router bias step per training step")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward (gradients summed over the batch)")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="processes that share each step's micro-batches (data parallel over gloo, gradients summed: "
+                         "the same step as one process; each runs --threads threads)")
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)   # set for the helper processes
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     ap.add_argument("--resume", action="store_true")
@@ -1216,7 +1274,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    self_check()
+    if args.rank == 0:
+        self_check()
     if args.self_check:
         return 0
     os.makedirs(args.work, exist_ok=True)
@@ -1237,6 +1296,7 @@ def main(argv=None):
         print(json.dumps({k: result[k] for k in ("bits_per_byte", "copy", "loops", "chat", "router_specialisation")}, indent=1))
         print(f"measured in {time.time() - t:.0f} s; all in {args.work}/measure.json", flush=True)
         return 0
+    dp = DataParallel(args, argv) if args.procs > 1 and not args.finish_only else None
     torch.manual_seed(SEED)
     d = Dims(TEXT_CONFIG)
     model = LittleK3(d)
@@ -1255,10 +1315,13 @@ def main(argv=None):
         opt.load_state_dict(c["opt"])
         data_rng.set_state(c["data_rng"])
         state = c["state"]
-        print(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
-    print(f"little K3: {n_params / 1e6:.2f} M parameters; stream {len(corpus.stream)} tokens; "
-          f"{args.steps} steps of {args.batch} x {args.seq}; matrix products in "
-          f"{'bfloat16 (AVX512-BF16)' if BF16_PRODUCTS else 'float32 (this CPU has no AVX512-BF16)'}", flush=True)
+        if args.rank == 0:
+            print(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
+    if args.rank == 0:
+        print(f"little K3: {n_params / 1e6:.2f} M parameters; stream {len(corpus.stream)} tokens; "
+              f"{args.steps} steps of {args.batch} x {args.seq}; matrix products in "
+              f"{'bfloat16 (AVX512-BF16)' if BF16_PRODUCTS else 'float32 (this CPU has no AVX512-BF16)'}; "
+              f"{args.procs} process{'es' if args.procs > 1 else ''} of {args.threads} thread{'s' if args.threads > 1 else ''}", flush=True)
     tokens_per_step = args.batch * args.seq
     bytes_per_token = corpus.train_bytes / corpus.train_plain_tokens
     last_ckpt = time.time()
@@ -1285,13 +1348,18 @@ def main(argv=None):
         loss, loads = 0.0, None
         with low_precision(True):
             # micro-batches of --micro-batch rows, gradients summed: the same step in less memory
-            for i in range(0, args.batch, args.micro_batch):
+            # with --procs P, process r takes micro-batches r, r + P, ... (the batch is drawn alike by all)
+            for k, i in enumerate(range(0, args.batch, args.micro_batch)):
+                if k % args.procs != args.rank:
+                    continue
                 part = F.cross_entropy(model(x[i:i + args.micro_batch]).reshape(-1, VOCAB),
                                        y[i:i + args.micro_batch].reshape(-1)) * (len(x[i:i + args.micro_batch]) / args.batch)
                 part.backward()
                 loss += float(part)
                 step_loads = [m.load for m in model.moe_layers()]
                 loads = step_loads if loads is None else [a + b for a, b in zip(loads, step_loads)]
+        if dp:
+            loss, loads = dp.sum_step(model, loss, loads)
         for m, l in zip(model.moe_layers(), loads):
             m.load = l                                   # the bias update sees the whole batch's load
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1303,6 +1371,10 @@ def main(argv=None):
         state["seconds"] = time.time() - t_start
         bpb = loss / math.log(2) / bytes_per_token
         smooth = bpb if smooth is None else 0.98 * smooth + 0.02 * bpb
+        if args.rank != 0:                                # a helper: no logging, evaluation or checkpoints
+            if args.bench and state["step"] >= args.bench:
+                return 0
+            continue
         if args.bench:
             cpu = time.process_time() - c0
             print(f"step {step}: {dt:.3f} s, {tokens_per_step / dt:.0f} tokens/s, {cpu:.3f} s CPU "
@@ -1332,6 +1404,10 @@ def main(argv=None):
         if time.time() - last_ckpt > args.checkpoint_minutes * 60:
             save()
             last_ckpt = time.time()
+    if dp:
+        dp.close()
+    if args.rank != 0:
+        return 0
     if not args.finish_only:
         save()
     if args.no_finish:
