@@ -58,8 +58,9 @@
 //   k_hat) (16 lanes + hsum16); c = beta * (v_j - p); s_ji = s_ji + c * k_hat_i (all i); o_j = dot16(s_j,
 //   q_hat). kda_recurrence_simd is bit-identical to _ref. Heads split across threads; a head's rows run
 //   in order on one thread. Output: gated_head_norm (chapter 03, eps = rms_norm_eps), then o_proj.
-//   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state); kda_advance
-//   over kept inputs leaves the state kda_forward would have, bit for bit.
+//   kda_forward over T tokens = T calls with one token, bit for bit (outputs and final state); several
+//   sequences in one call = each alone; kda_advance over kept inputs leaves the state kda_forward would
+//   have, bit for bit.
 //
 // SOURCES  Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture", arXiv:2510.26692
 //          (KDA); Yang, Kautz, Hatamizadeh, "Gated Delta Networks", arXiv:2412.06464; fla-org/flash-linear-
@@ -70,8 +71,9 @@
 //
 // SECTIONS
 //   7.1 dims, weights and the carried state     7.2 the short convolution     7.3 gates: beta and decay
-//   7.4 the delta-rule recurrence               7.5 the layer (prefill = decode, bit for bit; advancing a
-//                                                   state again from kept inputs)
+//   7.4 the delta-rule recurrence               7.5 the layer (prefill = decode, bit for bit; several
+//                                                   sequences in one step; advancing a state again from
+//                                                   kept inputs)
 // ====================================================================================================
 #pragma once
 
@@ -79,6 +81,8 @@
 #include <cstdint>
 #include <istream>
 #include <ostream>
+#include <span>
+#include <tuple>
 #include <vector>
 
 #include "00_numerics.hpp"
@@ -346,38 +350,69 @@ inline void kda_token(KdaTokenBuffers& x, const KdaInputs& in, std::size_t t, co
 }
 }  // namespace detail
 
-// `keep`, when given, receives the tokens' projected inputs (KdaInputs above); the result is the same.
-inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaWeights& w, const KdaDims& d, KdaState& st,
-                        KdaRecord* rec = nullptr, KdaInputs* keep = nullptr) {  // y (T, D), u (T, D): the input_layernorm output
-    detail::kda_check(w, d, st);
-    const std::size_t T = tokens, P = d.width(), H = d.heads, Dh = d.head_dim;
-    // Projections: every token's bits are independent of T (chapter 04), so prefill may batch them.
-    KdaInputs local;
-    KdaInputs& in = keep ? *keep : local;
-    in.tokens = T;
-    for (auto* m : {&in.q, &in.k, &in.v, &in.f}) m->resize(T * P);
-    in.b.resize(T * H);
-    std::vector<float> gate(T * P), fa(T * Dh);
-    linear(in.q.data(), u, T, w.q_proj);
-    linear(in.k.data(), u, T, w.k_proj);
-    linear(in.v.data(), u, T, w.v_proj);
-    linear(gate.data(), u, T, w.g_proj);
-    linear(fa.data(), u, T, w.f_a_proj);
-    linear(in.f.data(), fa.data(), T, w.f_b_proj);
-    linear(in.b.data(), u, T, w.b_proj);
+// Several sequences in one step (appendix 13a steps several conversations at once): rows [row0, row0 +
+// tokens) of u and y are one sequence's tokens, in order, and advance its own state; `keep`, when given,
+// receives those tokens' projected inputs (KdaInputs above).
+struct KdaSeq {
+    std::size_t row0 = 0, tokens = 0;
+    KdaState* state = nullptr;
+    KdaInputs* keep = nullptr;
+};
+
+// N rows, the sequences one after another. The eight projections run once over all N rows (chapter 04:
+// each row gets the bits it gets alone); only the sequential part is per sequence, on its own state. So a
+// sequence's outputs and final state do not depend on what else is in the step.
+inline void kda_forward(float* y, const float* u, std::size_t N, std::span<const KdaSeq> seqs, const KdaWeights& w, const KdaDims& d,
+                        KdaRecord* rec = nullptr) {  // y (N, D), u (N, D): the input_layernorm output
+    std::size_t rows = 0;
+    for (const KdaSeq& q : seqs) {
+        if (!q.state || q.row0 != rows) fail(ErrorKind::usage, "kda_forward: the sequences must have states and follow one another row by row");
+        detail::kda_check(w, d, *q.state);
+        rows += q.tokens;
+    }
+    if (rows != N) fail(ErrorKind::usage, "kda_forward: the sequences hold " + std::to_string(rows) + " rows of " + std::to_string(N));
+    const std::size_t P = d.width(), H = d.heads, Dh = d.head_dim;
+    // Projections: every token's bits are independent of N (chapter 04), so prefill may batch them.
+    KdaInputs in;
+    in.tokens = N;
+    for (auto* m : {&in.q, &in.k, &in.v, &in.f}) m->resize(N * P);
+    in.b.resize(N * H);
+    std::vector<float> gate(N * P), fa(N * Dh);
+    linear(in.q.data(), u, N, w.q_proj);
+    linear(in.k.data(), u, N, w.k_proj);
+    linear(in.v.data(), u, N, w.v_proj);
+    linear(gate.data(), u, N, w.g_proj);
+    linear(fa.data(), u, N, w.f_a_proj);
+    linear(in.f.data(), fa.data(), N, w.f_b_proj);
+    linear(in.b.data(), u, N, w.b_proj);
     detail::KdaTokenBuffers x(d);
-    std::vector<float> o_gated(T * P);  // (T, P)
+    std::vector<float> o_gated(N * P);  // (N, P)
     if (rec) *rec = KdaRecord{};
-    for (std::size_t t = 0; t < T; ++t) {  // the recurrence is sequential: token t needs t-1's state
-        detail::kda_token(x, in, t, w, d, st);
-        gated_head_norm(&o_gated[t * P], x.o.data(), &gate[t * P], w.o_norm, H, Dh, d.eps);
-        if (rec)
-            for (auto [dst, src] : {std::pair{&rec->q_conv, &x.qc}, {&rec->k_conv, &x.kc}, {&rec->v_conv, &x.vc}, {&rec->q_hat, &x.qh},
-                                    {&rec->k_hat, &x.kh}, {&rec->beta, &x.beta}, {&rec->g, &x.g}, {&rec->o, &x.o}})
-                dst->insert(dst->end(), src->begin(), src->end());
+    for (const KdaSeq& q : seqs) {
+        if (q.keep) {  // this sequence's rows of the inputs
+            KdaInputs& k = *q.keep;
+            k.tokens = q.tokens;
+            for (auto [dst, src, n] : {std::tuple{&k.q, &in.q, P}, {&k.k, &in.k, P}, {&k.v, &in.v, P}, {&k.f, &in.f, P}, {&k.b, &in.b, H}})
+                dst->assign(src->begin() + std::ptrdiff_t(q.row0 * n), src->begin() + std::ptrdiff_t((q.row0 + q.tokens) * n));
+        }
+        for (std::size_t t = q.row0; t < q.row0 + q.tokens; ++t) {  // the recurrence is sequential: token t needs t-1's state
+            detail::kda_token(x, in, t, w, d, *q.state);
+            gated_head_norm(&o_gated[t * P], x.o.data(), &gate[t * P], w.o_norm, H, Dh, d.eps);
+            if (rec)
+                for (auto [dst, src] : {std::pair{&rec->q_conv, &x.qc}, {&rec->k_conv, &x.kc}, {&rec->v_conv, &x.vc}, {&rec->q_hat, &x.qh},
+                                        {&rec->k_hat, &x.kh}, {&rec->beta, &x.beta}, {&rec->g, &x.g}, {&rec->o, &x.o}})
+                    dst->insert(dst->end(), src->begin(), src->end());
+        }
     }
     if (rec) rec->o_gated = o_gated;
-    linear(y, o_gated.data(), T, w.o_proj);
+    linear(y, o_gated.data(), N, w.o_proj);
+}
+
+// One sequence: T tokens at the end of `st` (a prompt chunk, or one decode token).
+inline void kda_forward(float* y, const float* u, std::size_t tokens, const KdaWeights& w, const KdaDims& d, KdaState& st,
+                        KdaRecord* rec = nullptr, KdaInputs* keep = nullptr) {  // y (T, D), u (T, D)
+    const KdaSeq one{0, tokens, &st, keep};
+    kda_forward(y, u, tokens, std::span(&one, 1), w, d, rec);
 }
 
 // Advances `st` through the first n tokens of inputs kept by kda_forward, reading no matrix (only the

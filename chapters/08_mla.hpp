@@ -60,7 +60,7 @@
 //   rounding (the tests name the tolerance), not bit for bit: the sums are associated differently.
 //
 // LEAVES OUT  HF's bf16 rounding points (this engine is f32, docs/kimi-k3.md 3.8); flash-attention's padding of V
-//          to 192 (no effect on the math); several sequences in one batch; a bf16 cache (half the bytes;
+//          to 192 (no effect on the math); a bf16 cache (half the bytes;
 //          the f32 one is what the reference is compared against).
 // SOURCES  DeepSeek-AI, "DeepSeek-V2", arXiv:2405.04434 (Multi-head Latent Attention and its absorbed
 //          form); Kimi Linear, arXiv:2510.26692 (NoPE MLA in the KDA/MLA hybrid). docs/sources.md 08.
@@ -82,6 +82,7 @@
 #include <cstring>
 #include <istream>
 #include <ostream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -437,6 +438,12 @@ inline void mla_attend(const MlaKernels& k, const MlaHeadQuery* heads, std::size
 inline constexpr MlaKernels kMlaRef{matmul_typed_ref, rmsnorm_ref, dot_ref, matvec_t_typed_ref, matvec_t_f32_ref, matvec_f32_ref};
 inline constexpr MlaKernels kMlaSimd{matmul_typed_simd, rmsnorm_simd, dot_simd, matvec_t_typed_simd, matvec_t_f32_simd, matvec_f32_simd};
 
+// Several sequences in one step (chapter 13): rows [row0, row0 + tokens) are one sequence's, on its cache.
+struct MlaSeq {
+    std::size_t row0 = 0, tokens = 0;
+    MlaCache* cache = nullptr;
+};
+
 namespace detail {
 inline void mla_check(const MlaWeights& w, const MlaDims& d, const MlaCache& cache, std::size_t tokens, const char* where) {
     const std::string at = std::string(where) + " (layer " + std::to_string(cache.layer()) + ")";
@@ -459,9 +466,9 @@ inline void mla_check(const MlaWeights& w, const MlaDims& d, const MlaCache& cac
 }
 
 // 3.5.1, 3.5.2 and the gate's input half of 3.5.5, shared by both forms: Qt (T, H, N+X), G (T, H*Dv)
-// = sigmoid(g_proj u), and the T new positions appended to the cache.
+// = sigmoid(g_proj u), and each sequence's new positions appended to its cache.
 inline void mla_project(const MlaKernels& k, float* q, float* gate, const float* u, std::size_t T, const MlaWeights& w,
-                        const MlaDims& d, MlaCache& cache) {  // q (T, H*(N+X)), gate (T, H*Dv), u (T, D)
+                        const MlaDims& d, std::span<const MlaSeq> seqs) {  // q (T, H*(N+X)), gate (T, H*Dv), u (T, D)
     const std::size_t Q = d.q_lora, R = d.kv_lora, X = d.rope;
     std::vector<float> cq(T * Q), kva(T * (R + X));  // (T, Q), (T, C)
     // query: cq = rmsnorm(q_a_proj u, eps 1e-6), Qt = q_b_proj cq
@@ -470,11 +477,12 @@ inline void mla_project(const MlaKernels& k, float* q, float* gate, const float*
     mla_linear(k, q, cq.data(), T, w.q_b_proj);
     // latent: [c~ ; k_x] = kv_a_proj u; the cache gets [rmsnorm(c~, eps 1e-6) ; k_x as is]
     mla_linear(k, kva.data(), u, T, w.kv_a_proj);
-    for (std::size_t t = 0; t < T; ++t) {
-        float* pos = cache.append();
-        k.rmsnorm(pos, &kva[t * (R + X)], w.kv_a_norm, R, d.eps);
-        std::copy_n(&kva[t * (R + X) + R], X, pos + R);  // not normalised, not rotated (trap 5.1.2 of docs/kimi-k3.md)
-    }
+    for (const MlaSeq& sq : seqs)
+        for (std::size_t t = sq.row0; t < sq.row0 + sq.tokens; ++t) {
+            float* pos = sq.cache->append();
+            k.rmsnorm(pos, &kva[t * (R + X)], w.kv_a_norm, R, d.eps);
+            std::copy_n(&kva[t * (R + X) + R], X, pos + R);  // not normalised, not rotated (trap 5.1.2 of docs/kimi-k3.md)
+        }
     // gate: G = sigmoid(g_proj u), from the layer's normalised input u, not from the attention output
     mla_linear(k, gate, u, T, w.g_proj);
     for (std::size_t i = 0; i < T * d.heads * d.v; ++i) gate[i] = sigmoid(gate[i]);
@@ -499,15 +507,32 @@ inline void mla_output(const MlaKernels& k, float* y, std::vector<float>& attn, 
 }  // namespace detail
 
 // T tokens (a prefill or one decode step) at the cache's end: appends their T latents, then token t
-// attends causally to positions 0 .. S0 + t. y (T, D); u (T, D) is the input_layernorm output.
-inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std::size_t tokens, const MlaWeights& w,
-                             const MlaDims& d, MlaCache& cache, MlaRecord* record = nullptr) {  // y (T, D), u (T, D)
-    detail::mla_check(w, d, cache, tokens, "mla_forward");
+// attends causally to positions 0 .. S0 + t. y (T, D); u (T, D) is the input_layernorm output. With
+// several sequences (MlaSeq) the T rows are theirs one after another: every product runs once over all
+// rows, and row t attends over its own sequence's cache only, so each gets the bits it gets alone.
+inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std::size_t tokens, std::span<const MlaSeq> seqs,
+                             const MlaWeights& w, const MlaDims& d, MlaRecord* record = nullptr) {  // y (T, D), u (T, D)
+    std::size_t rows = 0;
+    for (const MlaSeq& sq : seqs) {
+        if (!sq.cache || sq.row0 != rows) fail(ErrorKind::usage, "mla_forward: the sequences must have caches and follow one another row by row");
+        detail::mla_check(w, d, *sq.cache, sq.tokens, "mla_forward");
+        rows += sq.tokens;
+    }
+    if (seqs.empty() || rows != tokens || (record && seqs.size() != 1))
+        fail(ErrorKind::usage, "mla_forward: the sequences hold " + std::to_string(rows) + " rows of " + std::to_string(tokens) +
+                                   (record ? " (a record watches one sequence)" : ""));
     const std::size_t T = tokens, H = d.heads, R = d.kv_lora, N = d.nope, NX = d.qk(), NV = d.nope + d.v, Dv = d.v;
-    const std::size_t S0 = cache.length(), S = S0 + T;
     std::vector<float> q(T * H * NX), gate(T * H * Dv);  // (T, H, N+X), (T, H*Dv)
-    detail::mla_project(k, q.data(), gate.data(), u, T, w, d, cache);
-
+    detail::mla_project(k, q.data(), gate.data(), u, T, w, d, seqs);
+    std::vector<const float*> cache_of(T);  // row t: its sequence's cache (stable within its reservation)
+    std::vector<std::size_t> len_of(T);     // and the positions it sees
+    std::size_t S = 0;
+    for (const MlaSeq& sq : seqs)
+        for (std::size_t t = 0; t < sq.tokens; ++t) {
+            cache_of[sq.row0 + t] = sq.cache->data();
+            len_of[sq.row0 + t] = sq.cache->length() - sq.tokens + t + 1;
+            S = std::max(S, len_of[sq.row0 + t]);
+        }
     // 8.5.1 absorb: qbar[h][t] = W_UK[h]^T q_nope[t][h]. kv_b_proj's rows come in order (resident: one
     // chunk); each chunk adds its W_UK rows to the heads it touches, heads split across threads.
     std::vector<float> qbar(H * T * R, 0.0f), ctx(H * T * R);  // (H, T, R) each
@@ -526,7 +551,7 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
         });
     });
 
-    // 8.5.2 attend: token t over positions 0 .. S0 + t, heads split across threads.
+    // 8.5.2 attend: token t over positions 0 .. S0 + t of its cache, heads split across threads.
     if (record) record->probs.assign(H * T * S, 0.0f);
     parallel_rows(H, T * S * (2 * R + d.rope), [&](std::size_t h0, std::size_t h1) {
         std::vector<float> probs((h1 - h0) * S);  // (heads here, S)
@@ -534,10 +559,10 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
         for (std::size_t t = 0; t < T; ++t) {
             for (std::size_t h = h0; h < h1; ++h)
                 hq[h - h0] = MlaHeadQuery{&qbar[(h * T + t) * R], &q[(t * H + h) * NX + N], &probs[(h - h0) * S], &ctx[(h * T + t) * R]};
-            mla_attend(k, hq.data(), h1 - h0, cache.data(), S0 + t + 1, d);
+            mla_attend(k, hq.data(), h1 - h0, cache_of[t], len_of[t], d);
             if (record)
                 for (std::size_t h = h0; h < h1; ++h)
-                    std::copy_n(&probs[(h - h0) * S], S0 + t + 1, &record->probs[(h * T + t) * S]);
+                    std::copy_n(&probs[(h - h0) * S], len_of[t], &record->probs[(h * T + t) * S]);
         }
     });
 
@@ -557,9 +582,13 @@ inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std:
     });
 
     // 8.5.4 gate and output projection
-    detail::mla_output(k, y, attn, gate, q, T, w, d, cache, record);
+    detail::mla_output(k, y, attn, gate, q, T, w, d, *seqs.front().cache, record);
 }
-
+inline void mla_forward_with(const MlaKernels& k, float* y, const float* u, std::size_t tokens, const MlaWeights& w, const MlaDims& d,
+                             MlaCache& cache, MlaRecord* record = nullptr) {  // one sequence: y (T, D), u (T, D)
+    const MlaSeq one{0, tokens, &cache};
+    mla_forward_with(k, y, u, tokens, std::span(&one, 1), w, d, record);
+}
 inline void mla_forward(float* y, const float* u, std::size_t tokens, const MlaWeights& w, const MlaDims& d, MlaCache& cache,
                         MlaRecord* record = nullptr) {  // y (T, D), u (T, D)
     mla_forward_with(use_simd ? kMlaSimd : kMlaRef, y, u, tokens, w, d, cache, record);

@@ -88,7 +88,8 @@ inline void mla_forward_naive(float* y, const float* u, std::size_t tokens, cons
     const std::size_t T = tokens, H = d.heads, R = d.kv_lora, N = d.nope, X = d.rope, NX = d.qk(), NV = N + d.v, Dv = d.v;
     const std::size_t S0 = cache.length(), S = S0 + T;
     std::vector<float> q(T * H * NX), gate(T * H * Dv);  // (T, H, N+X), (T, H*Dv)
-    detail::mla_project(k, q.data(), gate.data(), u, T, w, d, cache);
+    const MlaSeq one{0, T, &cache};
+    detail::mla_project(k, q.data(), gate.data(), u, T, w, d, std::span(&one, 1));
     // KV_s = kv_b_proj c_s for every cached position
     std::vector<float> latents(S * R), kv(S * H * NV);  // (S, R), (S, H, N+Dv)
     for (std::size_t s = 0; s < S; ++s) std::copy_n(cache.position(s), R, &latents[s * R]);

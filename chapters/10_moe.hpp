@@ -77,6 +77,13 @@ struct Routing {
     std::vector<float> scores;       // (T, E) sigmoid scores (kept for examples and tests)
 };
 
+// Rows [row0, row0 + T) of a routing: one sequence's share of a step over several (chapter 13's record).
+inline Routing routing_rows(const Routing& r, std::size_t row0, std::size_t T) {
+    const std::size_t E = r.tokens ? r.scores.size() / r.tokens : 0;
+    auto rows = [&](const auto& v, std::size_t w) { return std::vector(v.begin() + std::ptrdiff_t(row0 * w), v.begin() + std::ptrdiff_t((row0 + T) * w)); };
+    return Routing{T, r.k, rows(r.ids, r.k), rows(r.weights, r.k), rows(r.scores, E)};
+}
+
 // Routes T tokens from their router logits. The chosen scores are divided by their sum only when
 // `renormalize` (moe_renormalize) AND k > 1, as Moonshot's gate does: with one expert per token its weight
 // is sigmoid(score) * routed_scaling_factor, not 1.

@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,20 @@ inline WeightType weight_type(const TensorInfo& t) {
 // The rows of a matrix that this process holds and computes: all of them (no function), or an MPI rank's
 // share (chapter 17). The plan and the trunk's loader count and load those rows only.
 using RowsOf = std::function<RowRange(const Checkpoint::Ref&)>;
+
+// The rows of each matrix this process computes: with chapter 17's row split installed (one MPI rank of
+// several), every matrix the forward pass multiplies through `linear`, at the rank's rows; MLA's
+// kv_b_proj, read by the absorbed form's own kernels, whole (the embedding is never split).
+inline RowsOf process_rows(const ModelTensors& m, const RowSplit* split) {
+    if (!split) return {};
+    std::set<const TensorInfo*> whole;
+    for (const LayerTensors& lt : m.layers)
+        if (lt.kv_b_proj) whole.insert(lt.kv_b_proj->info);
+    return [split, whole](const Checkpoint::Ref& r) {
+        const std::size_t n = std::size_t(r.info->shape[0]);
+        return whole.count(r.info) ? RowRange{0, n} : split->rows(n);
+    };
+}
 
 // The units of a bound checkpoint, summed as unit_bytes(Config) sums them, with every tensor's real
 // dtype (a checkpoint may store F32 or F16), of the rows this process holds (rows_of; none: all).

@@ -22,10 +22,14 @@
 //                 and the short convolutions' last kernel - 1 inputs), one MlaCache per MLA layer, and the
 //                 tokens processed. AttnRes keeps nothing across tokens.
 //   step          one forward call over T new tokens at the end of the session; what it writes besides
-//                 logits and the session (a record, timings) only when asked, through StepOptions.
+//                 logits and the session (a record, timings) only when asked, through StepOptions. A step
+//                 may carry several sessions (StepItems): their rows share every read of the weights and
+//                 each gets the bits it gets alone (appendix 13a batches conversations with it).
 //   teacher forcing  run a given sequence and read every position's logits.
 //   incremental   prefill the prompt (chunks of kPrefillChunk = 32), then one token per step, carrying the
-//                 session: decode (13.4), whose hooks are all that differ between its callers.
+//                 session: decode (13.4), whose hooks are all that differ between its callers. Decoder is
+//                 that loop one step at a time (next: what to feed; took: choose from the step's rows),
+//                 so that a batch can run several conversations' loops through shared steps.
 //   recompute     for every generated token, a fresh session over the whole sequence so far: slower,
 //                 and by construction bit-identical to incremental (a test, and a run option).
 //
@@ -33,7 +37,7 @@
 //   Everything is the chapters' contracts composed in the order of docs/kimi-k3.md 3.9; the driver adds
 //   no arithmetic of its own except the embedding widening (exact) and argmax (first maximum: the
 //   lowest id wins a tie). Logits are f32 (docs/kimi-k3.md 3.7: no soft-capping, no scaling). A step
-//   of T tokens = T steps of one token.
+//   of T tokens = T steps of one token; a step over several sessions = a step of each alone.
 //   A tentative step (13.3, for chapter 16) gives the same logits and leaves the KDA states untouched.
 //
 // SOURCES  Kimi Linear, arXiv:2510.26692; Attention Residuals, arXiv:2603.15031; the K3 release's
@@ -44,8 +48,10 @@
 //          runs the CLI)     TEST   make test-13 (the exactness gates)
 //
 // SECTIONS
-//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step (and keeping
-//   part of a tentative one)     13.4 teacher forcing, and the decode loop: greedy, incremental, recompute
+//   13.1 the model (weights, plan, providers)     13.2 the session     13.3 one forward step, over one
+//   session or several (and keeping part of a tentative one)     13.4 teacher forcing, and the decode
+//   loop: greedy, incremental, recompute, a step at a time (Decoder)
+//   APPENDIX 13a_batch.hpp: the scheduler that runs several conversations' Decoders through shared steps.
 // ====================================================================================================
 #pragma once
 
@@ -56,7 +62,6 @@
 #include <memory>
 #include <span>
 #include <optional>
-#include <set>
 #include <vector>
 
 #include "02_config.hpp"
@@ -84,20 +89,8 @@ struct ModelOptions {
     std::function<void(const Plan&, const Config&)> on_plan;  // called before any weight is read (may throw)
 };
 
-// The rows of each matrix this process computes, and the experts it may cache. With chapter 17's splits
-// installed (one MPI rank of several): every matrix the forward pass multiplies through `linear`, at the
-// rank's rows (MLA's kv_b_proj, read by the absorbed form's own kernels, and the embedding whole), and
-// only the experts it owns; then the plan is made, and the trunk pinned, of that share alone.
-inline RowsOf process_rows(const ModelTensors& m, const RowSplit* split) {
-    if (!split) return {};
-    std::set<const TensorInfo*> whole;
-    for (const LayerTensors& lt : m.layers)
-        if (lt.kv_b_proj) whole.insert(lt.kv_b_proj->info);
-    return [split, whole](const Checkpoint::Ref& r) {
-        const std::size_t n = std::size_t(r.info->shape[0]);
-        return whole.count(r.info) ? RowRange{0, n} : split->rows(n);
-    };
-}
+// The experts this process may cache: all, or with chapter 17's split installed (one MPI rank of several)
+// those it owns; its matrices' rows are process_rows' (appendix 12b). The plan is made of that share alone.
 inline std::size_t process_experts(const ModelTensors& m, const ExpertSplit* split) {
     std::size_t n = 0;
     for (std::size_t l = 0; l < m.experts.size(); ++l)
@@ -221,109 +214,161 @@ struct StepOptions {
     StepTimes* times = nullptr;         // filled with where its time went
 };
 
-inline void forward(float* logits, Model& model, Session& s, std::span<const std::int64_t> ids, const StepOptions& o = {}) {
+// One sequence's part of a step. A step may carry several sequences, each on its own session (appendix
+// 13a steps a batch of conversations so): their rows are stacked, every matrix and every routed expert
+// multiplies all of them in one pass (one read of the weights), and only what carries state (KDA's
+// recurrence, MLA's cache) or looks across positions runs per sequence. Each sequence's logits and session
+// end exactly as they would in a step of its own: chapter 04's T-row products give each row its own bits,
+// MoE routes and combines each row alone (chapter 10), and nothing else mixes rows.
+struct StepItem {
+    Session* session = nullptr;
+    std::span<const std::int64_t> ids;  // T >= 1 new tokens at the session's end
+    float* logits = nullptr;            // (1, V) the last token's row, or (T, V) with Rows::all
+    StepOptions o{};                    // its rows, tentative and record; `times` gets the whole step's
+};
+
+// THE FORWARD STEP, docs/kimi-k3.md 3.9 in order, over the stacked rows of every item.
+inline void forward(Model& model, std::span<const StepItem> items) {
     const Config& c = model.config;
-    const std::size_t D = std::size_t(c.hidden_size), T = ids.size();
+    const std::size_t D = std::size_t(c.hidden_size), V = std::size_t(c.vocab_size), L = std::size_t(c.num_hidden_layers);
     const float eps = c.rms_norm_eps;
+    if (items.empty()) fail(ErrorKind::usage, "forward: no sequence to step");
+    std::vector<std::size_t> row0(items.size());  // item i's rows are [row0[i], row0[i] + T_i)
+    std::size_t N = 0;
+    StepTimes* times = nullptr;
+    for (std::size_t i = 0; i < items.size(); ++i) {
+        const StepItem& it = items[i];
+        if (!it.session || it.ids.empty() || !it.logits)
+            fail(ErrorKind::usage, "forward: item " + std::to_string(i) + " has no session, no tokens or nowhere for its logits");
+        for (std::size_t j = 0; j < i; ++j)
+            if (items[j].session == it.session) fail(ErrorKind::usage, "forward: items " + std::to_string(j) + " and " + std::to_string(i) + " share one session");
+        row0[i] = N, N += it.ids.size();
+        if (it.o.tentative) it.o.tentative->start = it.session->position(), it.o.tentative->tokens = it.ids.size(), it.o.tentative->inputs.resize(L);
+        if (it.o.record) it.o.record->tokens = it.ids.size(), it.o.record->layers.assign(L, {});
+        if (it.o.times) times = it.o.times, times->layers.assign(L, 0.0);
+    }
     TrunkWeights& tw = model.trunk();
     auto vec = [&](const Checkpoint::Ref* r) { return tw.vec(r); };  // norms, biases, taps: f32 (chapter 12)
+    auto mat = [&](const Checkpoint::Ref* r) { return tw.matrix(r); };
     if (model.experts()) model.experts()->begin_step();
-    StepRecord* record = o.record;
-    TentativeKda* tentative = o.tentative;
-    if (tentative) tentative->start = s.position(), tentative->tokens = T;
     using clock = std::chrono::steady_clock;
     auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
-    if (o.times) o.times->layers.assign(std::size_t(c.num_hidden_layers), 0.0);
+    bool recording = false;
+    for (const StepItem& it : items) recording = recording || it.o.record;
 
     // 3.1 the embedding: x0 = embed_tokens[id]; it is the first partial sum of every token's stream
-    std::vector<float> x(T * D), u(T * D), out(T * D), w(D);  // (T, D) each; w: a folded AttnRes vector
+    std::vector<float> x(N * D), u(N * D), out(N * D), w(D);  // (N, D) each; w: a folded AttnRes vector
     const auto t_start = clock::now();
-    std::vector<ResidualState> res(T);
-    if (record) record->tokens = T, record->layers.assign(std::size_t(c.num_hidden_layers), {});
-    // where token t's depth weights of one mix go when recording: rec (T, n), n = this mix's candidates
-    auto mix_weights = [&](std::vector<float>& rec, std::size_t& n, std::size_t t) -> float* {
-        if (t == 0) n = res[0].bank.size() + (res[0].has_partial ? 1 : 0), rec.assign(T * n, 0.0f);
+    std::vector<ResidualState> res(N);
+    for (std::size_t i = 0; i < items.size(); ++i)
+        for (std::size_t t = 0; t < items[i].ids.size(); ++t) {
+            tw.embed_row(&x[(row0[i] + t) * D], items[i].ids[t]);
+            res[row0[i] + t].start(&x[(row0[i] + t) * D], D);
+        }
+    if (times) times->head = since(t_start);
+    // Where token t of item i records its depth weights of one mix: rec (T, n), n = this mix's candidates.
+    auto mix_weights = [&](std::size_t i, std::vector<float>& rec, std::size_t& n, std::size_t t) -> float* {
+        const ResidualState& r = res[row0[i]];
+        if (t == 0) n = r.bank.size() + (r.has_partial ? 1 : 0), rec.assign(items[i].ids.size() * n, 0.0f);
         return rec.data() + t * n;
     };
-    for (std::size_t t = 0; t < T; ++t) {
-        tw.embed_row(&x[t * D], ids[t]);
-        res[t].start(&x[t * D], D);
-    }
-    if (o.times) o.times->head = since(t_start);
+    // One AttnRes mix of every row, then RMSNorm: u = norm(mix(x)). attn: the layer's first mix (it adds
+    // nothing at layer 0, where a stream holds only its embedding).
+    auto mix_and_norm = [&](int l, bool attn, const Checkpoint::Ref* res_norm, const Checkpoint::Ref* res_proj, const Checkpoint::Ref* norm) {
+        attn_res_fold(w.data(), AttnResWeights{vec(res_norm), vec(res_proj)}, D);
+        for (std::size_t i = 0; i < items.size(); ++i) {
+            StepRecord::Layer* rl = items[i].o.record ? &items[i].o.record->layers[std::size_t(l)] : nullptr;
+            for (std::size_t t = 0, r = row0[i]; t < items[i].ids.size(); ++t, ++r) {
+                if (attn) {
+                    float* pi = rl && l > 0 ? mix_weights(i, rl->attn_mix, rl->attn_candidates, t) : nullptr;
+                    res[r].attn_input(&x[r * D], l, c.attn_res_block_size, w.data(), eps, pi);
+                } else {
+                    res[r].mix(&x[r * D], w.data(), eps, rl ? mix_weights(i, rl->mlp_mix, rl->mlp_candidates, t) : nullptr);
+                }
+                rmsnorm(&u[r * D], &x[r * D], vec(norm), D, eps);
+            }
+        }
+    };
+    std::vector<KdaSeq> kda_seqs(items.size());
+    std::vector<MlaSeq> mla_seqs(items.size());
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         const auto t_layer = clock::now();
         const LayerTensors& lt = model.tensors.layers[std::size_t(l)];
         // [AttnRes attn-mix] -> RMSNorm(input_layernorm)
-        attn_res_fold(w.data(), AttnResWeights{vec(lt.attn_res_norm), vec(lt.attn_res_proj)}, D);
-        StepRecord::Layer* rl = record ? &record->layers[std::size_t(l)] : nullptr;
-        for (std::size_t t = 0; t < T; ++t) {
-            float* pi = rl && l > 0 ? mix_weights(rl->attn_mix, rl->attn_candidates, t) : nullptr;  // layer 0 does not mix
-            res[t].attn_input(&x[t * D], l, c.attn_res_block_size, w.data(), eps, pi);
-            rmsnorm(&u[t * D], &x[t * D], vec(lt.input_norm), D, eps);
-        }
-        // {KDA | Gated MLA} -> partial += out
+        mix_and_norm(l, true, lt.attn_res_norm, lt.attn_res_proj, lt.input_norm);
+        // {KDA | Gated MLA} on each item's own state -> partial += out
         if (lt.plan.attn == AttnKind::KDA) {
-            const KdaWeights kw{tw.matrix(lt.q_proj), tw.matrix(lt.k_proj), tw.matrix(lt.v_proj), tw.matrix(lt.f_a_proj),
-                                tw.matrix(lt.f_b_proj), tw.matrix(lt.b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj),
-                                vec(lt.q_conv), vec(lt.k_conv), vec(lt.v_conv), vec(lt.A_log), vec(lt.dt_bias), vec(lt.o_norm)};
-            KdaState& state = *s.kda[std::size_t(l)];
-            if (tentative) {
-                tentative->inputs.resize(std::size_t(c.num_hidden_layers));
-                tentative->scratch = state;
-                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), tentative->scratch, nullptr, &tentative->inputs[std::size_t(l)]);
-            } else {
-                kda_forward(out.data(), u.data(), T, kw, KdaDims::from(c), state);
+            for (std::size_t i = 0; i < items.size(); ++i) {
+                KdaState& state = *items[i].session->kda[std::size_t(l)];
+                TentativeKda* tent = items[i].o.tentative;  // a tentative step runs KDA on a copy, keeping its inputs
+                if (tent) tent->scratch = state;
+                kda_seqs[i] = KdaSeq{row0[i], items[i].ids.size(), tent ? &tent->scratch : &state, tent ? &tent->inputs[std::size_t(l)] : nullptr};
             }
+            kda_forward(out.data(), u.data(), N, kda_seqs, kda_weights(lt, mat, vec), KdaDims::from(c));
         } else {
-            const MlaWeights mw{tw.matrix(lt.q_a_proj), vec(lt.q_a_norm), tw.matrix(lt.q_b_proj), tw.matrix(lt.kv_a_proj),
-                                vec(lt.kv_a_norm), tw.matrix(lt.kv_b_proj), tw.matrix(lt.g_proj), tw.matrix(lt.o_proj)};
-            mla_forward(out.data(), u.data(), T, mw, MlaDims::from(c), *s.mla[std::size_t(l)]);
+            const MlaWeights mw{mat(lt.q_a_proj), vec(lt.q_a_norm), mat(lt.q_b_proj), mat(lt.kv_a_proj),
+                                vec(lt.kv_a_norm), mat(lt.kv_b_proj), mat(lt.g_proj), mat(lt.o_proj)};
+            for (std::size_t i = 0; i < items.size(); ++i) mla_seqs[i] = MlaSeq{row0[i], items[i].ids.size(), &*items[i].session->mla[std::size_t(l)]};
+            mla_forward_with(use_simd ? kMlaSimd : kMlaRef, out.data(), u.data(), N, mla_seqs, mw, MlaDims::from(c));
         }
-        for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
+        for (std::size_t r = 0; r < N; ++r) res[r].add(&out[r * D]);
         // [AttnRes mlp-mix] -> RMSNorm(post_attention_layernorm)
-        attn_res_fold(w.data(), AttnResWeights{vec(lt.mlp_res_norm), vec(lt.mlp_res_proj)}, D);
-        for (std::size_t t = 0; t < T; ++t) {
-            res[t].mix(&x[t * D], w.data(), eps, rl ? mix_weights(rl->mlp_mix, rl->mlp_candidates, t) : nullptr);
-            rmsnorm(&u[t * D], &x[t * D], vec(lt.post_attn_norm), D, eps);
-        }
+        mix_and_norm(l, false, lt.mlp_res_norm, lt.mlp_res_proj, lt.post_attn_norm);
         // {dense SiTU | latent MoE + shared} -> partial += out
         const Situ situ{c.situ_beta, c.situ_linear_beta};
         if (lt.plan.ffn == FfnKind::Dense) {
-            dense_ffn(out.data(), u.data(), T, DenseFfnWeights{tw.matrix(lt.gate_proj), tw.matrix(lt.up_proj), tw.matrix(lt.down_proj)}, situ);
+            dense_ffn(out.data(), u.data(), N, DenseFfnWeights{mat(lt.gate_proj), mat(lt.up_proj), mat(lt.down_proj)}, situ);
         } else {
-            const DenseFfnWeights shared = lt.shared_gate
-                                               ? DenseFfnWeights{tw.matrix(lt.shared_gate), tw.matrix(lt.shared_up), tw.matrix(lt.shared_down)}
-                                               : DenseFfnWeights{};
-            const MoeWeights mw{tw.matrix(lt.router), vec(lt.router_bias), tw.matrix(lt.latent_down),
-                                lt.latent_norm ? vec(lt.latent_norm) : nullptr, tw.matrix(lt.latent_up), shared};
+            const DenseFfnWeights shared = lt.shared_gate ? DenseFfnWeights{mat(lt.shared_gate), mat(lt.shared_up), mat(lt.shared_down)} : DenseFfnWeights{};
+            const MoeWeights mw{mat(lt.router), vec(lt.router_bias), mat(lt.latent_down), lt.latent_norm ? vec(lt.latent_norm) : nullptr,
+                                mat(lt.latent_up), shared};
             MoeRecord moe;
-            moe_forward(out.data(), u.data(), T, mw, MoeDims::from(c, l), *model.experts(), rl ? &moe : nullptr);
-            if (rl) rl->routing = std::move(moe.routing);
+            moe_forward(out.data(), u.data(), N, mw, MoeDims::from(c, l), *model.experts(), recording ? &moe : nullptr);
+            for (std::size_t i = 0; i < items.size(); ++i)
+                if (items[i].o.record) items[i].o.record->layers[std::size_t(l)].routing = routing_rows(moe.routing, row0[i], items[i].ids.size());
         }
-        for (std::size_t t = 0; t < T; ++t) res[t].add(&out[t * D]);
-        if (o.times) o.times->layers[std::size_t(l)] = since(t_layer);
+        for (std::size_t r = 0; r < N; ++r) res[r].add(&out[r * D]);
+        if (times) times->layers[std::size_t(l)] = since(t_layer);
     }
-    // 3.7 the final mix, model.norm, lm_head
+    // 3.7 the final mix, model.norm, then ONE lm_head pass over the rows that want logits
     const auto t_head = clock::now();
     attn_res_fold(w.data(), AttnResWeights{vec(model.tensors.out_res_norm), vec(model.tensors.out_res_proj)}, D);
-    const std::size_t first = o.rows == Rows::all ? 0 : T - 1, n = T - first;
-    if (record) record->out_candidates = res[first].bank.size() + (res[first].has_partial ? 1 : 0), record->out_mix.assign(n * record->out_candidates, 0.0f);
-    for (std::size_t t = first; t < T; ++t) {
-        res[t].mix(&x[t * D], w.data(), eps, record ? &record->out_mix[(t - first) * record->out_candidates] : nullptr);
-        rmsnorm(&u[(t - first) * D], &x[t * D], vec(model.tensors.final_norm), D, eps);
+    std::size_t n = 0;  // rows with logits so far
+    for (std::size_t i = 0; i < items.size(); ++i) {
+        const std::size_t T = items[i].ids.size(), first = items[i].o.rows == Rows::all ? 0 : T - 1;
+        StepRecord* record = items[i].o.record;
+        const ResidualState& r0 = res[row0[i] + first];
+        if (record) record->out_candidates = r0.bank.size() + (r0.has_partial ? 1 : 0), record->out_mix.assign((T - first) * record->out_candidates, 0.0f);
+        for (std::size_t t = first; t < T; ++t, ++n) {
+            const std::size_t r = row0[i] + t;
+            res[r].mix(&x[r * D], w.data(), eps, record ? &record->out_mix[(t - first) * record->out_candidates] : nullptr);
+            rmsnorm(&u[n * D], &x[r * D], vec(model.tensors.final_norm), D, eps);
+        }
     }
-    linear(logits, u.data(), n, tw.lm_head());
-    // A NaN or Inf logit means a weight on the way (lm_head, model.norm, any layer's matrix) or an
-    // activation is not finite. Greedy argmax would then answer id 0 forever and exit 0; refuse instead.
-    // O(V) per position, nothing next to the lm_head's O(V D). (Small tensors are checked at load.)
-    const std::size_t V = std::size_t(c.vocab_size);
-    for (std::size_t i = 0; i < n * V; ++i)
-        if (!std::isfinite(logits[i]))
-            fail(ErrorKind::runtime, "the logits at position " + std::to_string(s.tokens.size() + first + i / V) + " are not finite (logit " +
-                                         std::to_string(i % V) + " is " + std::to_string(logits[i]) +
-                                         "): the checkpoint holds a NaN or Inf on the way (lm_head, model.norm, a layer's weights)");
-    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
-    if (o.times) o.times->head += since(t_head);
+    std::vector<float> stacked(items.size() > 1 ? n * V : 0);  // one item writes its own buffer directly
+    linear(items.size() > 1 ? stacked.data() : items[0].logits, u.data(), n, tw.lm_head());
+    n = 0;
+    for (const StepItem& it : items) {
+        const std::size_t rows = it.o.rows == Rows::all ? it.ids.size() : 1;
+        if (items.size() > 1) std::copy_n(&stacked[n * V], rows * V, it.logits);
+        n += rows;
+        // A NaN or Inf logit means a weight on the way (lm_head, model.norm, any layer's matrix) or an
+        // activation is not finite. Greedy argmax would then answer id 0 forever and exit 0; refuse instead.
+        // O(V) per position, nothing next to the lm_head's O(V D). (Small tensors are checked at load.)
+        for (std::size_t k = 0; k < rows * V; ++k)
+            if (!std::isfinite(it.logits[k]))
+                fail(ErrorKind::runtime, "the logits at position " + std::to_string(it.session->position() + it.ids.size() - rows + k / V) +
+                                             " are not finite (logit " + std::to_string(k % V) + " is " + std::to_string(it.logits[k]) +
+                                             "): the checkpoint holds a NaN or Inf on the way (lm_head, model.norm, a layer's weights)");
+    }
+    for (const StepItem& it : items) it.session->tokens.insert(it.session->tokens.end(), it.ids.begin(), it.ids.end());
+    if (times) times->head += since(t_head);
+}
+
+// One sequence: T new tokens at the end of session s.
+inline void forward(float* logits, Model& model, Session& s, std::span<const std::int64_t> ids, const StepOptions& o = {}) {
+    const StepItem item{&s, ids, logits, o};
+    forward(model, std::span(&item, 1));
 }
 
 // Keeping the first n tokens of a tentative step. After a tentative step over T tokens the MLA caches and
@@ -407,66 +452,110 @@ struct DecodeLimits {
     bool recompute = false;              // each token from a fresh session over the whole sequence (the check)
 };
 
-// Returns the chosen tokens in order. The last one (a stop token, or the max_new-th) is never fed: a
-// chat turn feeds it first next time. The session then holds the fresh tokens and every chosen token
-// but the last. (One sequence per step here; several sequences, each with its own session and hooks,
-// could share each step's read of the weights, since a step gives each token the bits it gets alone.)
-inline std::vector<std::int64_t> decode(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim,
-                                        const Chooser& choose, const DecodeHooks& h = {}) {
-    const std::size_t V = std::size_t(model.config.vocab_size);
-    if (fresh.empty()) fail(ErrorKind::usage, "decode: nothing to feed");
-    if (lim.chunk == 0) fail(ErrorKind::usage, "decode: the prompt chunk must be at least 1 token");
-    if (lim.recompute && h.draft) fail(ErrorKind::usage, "decode: full recompute verifies no drafts");
-    std::vector<float> rows(V);  // (T, V): row i = the logits after token i of the step
-    auto feed = [&](std::span<const std::int64_t> ids) {  // prompt chunks; the last token's logits in rows[0, V)
-        for (std::size_t t0 = 0; t0 < ids.size(); t0 += lim.chunk)
-            forward(rows.data(), model, s, ids.subspan(t0, std::min(lim.chunk, ids.size() - t0)), {.record = h.record, .times = h.times});
-    };
-    std::vector<std::int64_t> drawn, seq, guess;
-    auto take = [&](const float* row, std::uint64_t position) {  // chooses one token; false when the turn ends with it
-        if (h.logits) h.logits->insert(h.logits->end(), row, row + V);
-        drawn.push_back(choose(std::span<const float>(row, V), position));
-        const bool more = !h.token || h.token(drawn.back());
-        return more && drawn.size() < lim.max_new;
-    };
-    auto so_far = [&] {  // every token of the sequence: the session's and the chosen one not yet fed
-        seq.assign(s.tokens.begin(), s.tokens.end());
-        seq.push_back(drawn.back());
-    };
-    feed(fresh);
-    if (lim.max_new == 0) return drawn;
-    bool go = take(rows.data(), s.position());
-    if (h.step) h.step(DecodeStep{fresh.size(), 0, 0, 1});
-    TentativeKda tentative;
-    while (go && !(h.cancelled && h.cancelled())) {
-        if (lim.recompute) {  // a fresh session over the whole sequence so far: slow, and the same bits
-            so_far();
-            s.reset();
-            feed(seq);
-            go = take(rows.data(), s.position());
-            if (h.step) h.step(DecodeStep{seq.size(), 0, 0, 1});
-            continue;
+// The loop, one step at a time: next() says what this sequence feeds in the coming forward step (a prompt
+// chunk, or the last chosen token and its guesses), took() reads that step's rows, chooses, keeps or rolls
+// back. decode() below runs one sequence's steps one after another; appendix 13a's Batch runs several
+// sequences' steps together, one forward step for all of them. Same code, so the same tokens and bits.
+class Decoder {
+  public:
+    Decoder(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim, Chooser choose, DecodeHooks h = {})
+        : model_(model), s_(s), lim_(lim), choose_(std::move(choose)), h_(std::move(h)), pending_(fresh),
+          rows_(std::size_t(model.config.vocab_size)) {
+        if (fresh.empty()) fail(ErrorKind::usage, "decode: nothing to feed");
+        if (lim.chunk == 0) fail(ErrorKind::usage, "decode: the prompt chunk must be at least 1 token");
+        if (lim.recompute && h_.draft) fail(ErrorKind::usage, "decode: full recompute verifies no drafts");
+    }
+    // This sequence's part of the next forward step; false once the turn has ended (nothing more to feed).
+    bool next(StepItem& item) {
+        const StepOptions watch{.record = h_.record, .times = h_.times};
+        if (done_) return false;
+        if (fed_ < pending_.size()) {  // the fresh tokens (or, recomputing, the whole sequence), a chunk at a time
+            const std::size_t n = std::min(lim_.chunk, pending_.size() - fed_);
+            item = StepItem{&s_, pending_.subspan(fed_, n), rows_.data(), watch};  // its last token's logits in rows_[0, V)
+            fed_ += n, chunk_ = true;
+            return true;
         }
-        const std::size_t room = lim.max_new - drawn.size() - 1;  // never a position one-token steps would not reach
-        guess.clear();
-        if (h.draft && room) so_far(), guess = h.draft(seq, room);
-        if (guess.size() > room) guess.resize(room);
-        seq.assign(1, drawn.back());
-        seq.insert(seq.end(), guess.begin(), guess.end());
-        const std::size_t T = seq.size(), start = s.position();
-        rows.resize(T * V);
-        forward(rows.data(), model, s, seq, {.rows = Rows::all, .tentative = guess.empty() ? nullptr : &tentative, .record = h.record, .times = h.times});
+        if (h_.cancelled && h_.cancelled()) return done_ = true, false;  // asked before each decode step
+        if (lim_.recompute) {  // a fresh session over the whole sequence so far: slow, and the same bits
+            so_far();
+            all_ = seq_;
+            s_.reset();
+            pending_ = all_, fed_ = 0;
+            return next(item);
+        }
+        const std::size_t room = lim_.max_new - drawn_.size() - 1;  // never a position one-token steps would not reach
+        guess_.clear();
+        if (h_.draft && room) so_far(), guess_ = h_.draft(seq_, room);
+        if (guess_.size() > room) guess_.resize(room);
+        seq_.assign(1, drawn_.back());
+        seq_.insert(seq_.end(), guess_.begin(), guess_.end());
+        start_ = s_.position(), chunk_ = false;
+        rows_.resize(seq_.size() * V());
+        item = StepItem{&s_, seq_, rows_.data(), {.rows = Rows::all, .tentative = guess_.empty() ? nullptr : &tentative_, .record = h_.record, .times = h_.times}};
+        return true;
+    }
+    // After the step that next() prepared: choose, keep the guesses that match, call the hooks.
+    void took() {
+        if (chunk_) {
+            if (fed_ < pending_.size()) return;  // more chunks to feed
+            if (lim_.max_new == 0) return void(done_ = true);
+            const bool go = take(rows_.data(), s_.position());
+            if (h_.step) h_.step(DecodeStep{pending_.size(), 0, 0, 1});
+            done_ = !go;
+            return;
+        }
         std::size_t i = 0, accepted = 0;
+        bool go = true;
         for (;; ++i) {  // row i chooses the token at position start + i + 1
-            go = take(&rows[i * V], start + i + 1);
-            const bool match = i < guess.size() && drawn.back() == guess[i];
+            go = take(&rows_[i * V()], start_ + i + 1);
+            const bool match = i < guess_.size() && drawn_.back() == guess_[i];
             accepted += match;
             if (!go || !match) break;
         }
-        if (!guess.empty()) keep_tokens(model, s, tentative, i + 1);  // the last chosen token and the i guesses kept
-        if (h.step) h.step(DecodeStep{T, guess.size(), accepted, i + 1});
+        if (!guess_.empty()) keep_tokens(model_, s_, tentative_, i + 1);  // the last chosen token and the i guesses kept
+        if (h_.step) h_.step(DecodeStep{seq_.size(), guess_.size(), accepted, i + 1});
+        done_ = !go;
     }
-    return drawn;
+    bool done() const { return done_; }
+    std::vector<std::int64_t>& drawn() { return drawn_; }
+
+  private:
+    std::size_t V() const { return std::size_t(model_.config.vocab_size); }
+    bool take(const float* row, std::uint64_t position) {  // chooses one token; false when the turn ends with it
+        if (h_.logits) h_.logits->insert(h_.logits->end(), row, row + V());
+        drawn_.push_back(choose_(std::span<const float>(row, V()), position));
+        const bool more = !h_.token || h_.token(drawn_.back());
+        return more && drawn_.size() < lim_.max_new;
+    }
+    void so_far() {  // every token of the sequence: the session's and the chosen one not yet fed
+        seq_.assign(s_.tokens.begin(), s_.tokens.end());
+        seq_.push_back(drawn_.back());
+    }
+    Model& model_;
+    Session& s_;
+    DecodeLimits lim_;
+    Chooser choose_;
+    DecodeHooks h_;
+    std::span<const std::int64_t> pending_;  // fed in chunks: the fresh tokens, or (recompute) all_
+    std::size_t fed_ = 0;
+    bool chunk_ = false, done_ = false;      // the step next() prepared fed a chunk of pending_; the turn has ended
+    std::vector<float> rows_;                // (T, V): row i = the logits after token i of the step
+    std::vector<std::int64_t> drawn_, seq_, guess_, all_;
+    TentativeKda tentative_;
+    std::uint64_t start_ = 0;
+};
+
+// Returns the chosen tokens in order. The last one (a stop token, or the max_new-th) is never fed: a
+// chat turn feeds it first next time. The session then holds the fresh tokens and every chosen token
+// but the last.
+inline std::vector<std::int64_t> decode(Model& model, Session& s, std::span<const std::int64_t> fresh, const DecodeLimits& lim,
+                                        const Chooser& choose, const DecodeHooks& h = {}) {
+    Decoder d(model, s, fresh, lim, choose, h);
+    for (StepItem item; d.next(item);) {
+        forward(model, std::span(&item, 1));
+        d.took();
+    }
+    return std::move(d.drawn());
 }
 
 struct Generation {

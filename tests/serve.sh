@@ -330,6 +330,20 @@ check "serve --max-batch 4: ... and its ids = kimik3 run over the whole sequence
     "$(run_ids --ids "$(echo "$ext" | jq -r 'map(tostring) | join(",")')" --gen 6)"
 kill "$SPID"
 wait "$SPID" 2>/dev/null
+# the same clients at once against --max-batch 4 --speculate 4: each request drafts and verifies in the shared steps
+start batch-spec --context 512 --budget floor --max-batch 4 --queue 8 --speculate 4 || bad "the --max-batch 4 --speculate 4 server did not start"
+clients=()
+for i in "${!batch_req[@]}"; do
+    (sleep "0.$((i * 15))"; batch_one "$URL" "$i" "$tmp/spec.$i") &
+    clients+=($!)
+done
+wait "${clients[@]}" 2>/dev/null
+for i in "${!batch_req[@]}"; do
+    check "serve --max-batch 4 --speculate 4: concurrent request $i gets the bytes it gets alone" same "$(cat "$tmp/spec.$i")" "$(cat "$tmp/alone.$i")"
+done
+check "serve --max-batch 4 --speculate 4: the start line says each request verifies its own drafts" grep -q "each verifies its own --speculate drafts" "$tmp/batch-spec.log"
+kill "$SPID"
+wait "$SPID" 2>/dev/null
 # N requests generate and the queue is full: 503, as with one
 start batch-queue --context 8192 --max-batch 2 --queue 0 --quiet || bad "the --max-batch 2 --queue 0 server did not start"
 long_req="{\"thinking\":false,\"messages\":$(msg "Keep going."),\"max_tokens\":8000,\"temperature\":1,\"ignore_eos\":true,\"stream\":true}"

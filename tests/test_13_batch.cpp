@@ -1,9 +1,12 @@
-// Tests for appendix 13a: a batched step and the scheduler give every conversation exactly the ids and
-// logits it gets alone (forward, decode), whatever else is in the batch, whenever it joined.
+// Tests for a step over several sessions (13.3) and appendix 13a's scheduler: every conversation gets
+// exactly the ids and logits it gets alone (forward, decode), whatever else is in the batch, whenever it
+// joined, with or without speculation.
 #include "../chapters/13a_batch.hpp"
 #include "../chapters/15_generate.hpp"
+#include "../chapters/16_speculative.hpp"
 
 #include <map>
+#include <memory>
 
 #include "fixture.hpp"
 
@@ -32,7 +35,7 @@ ModelOptions at_floor(const std::string& dir) {
 
 // Several sessions stepped together, prompt chunks of different lengths in the same step and then one
 // token each, against each session stepped alone: the same logits bits, every row.
-void forward_batch_matches(const std::string& rel, const ModelOptions& o) {
+void step_matches(const std::string& rel, const ModelOptions& o) {
     Model m(test::source_path(rel), o);
     const std::size_t V = std::size_t(m.config.vocab_size);
     const auto ps = prompts(rel, V);
@@ -41,14 +44,14 @@ void forward_batch_matches(const std::string& rel, const ModelOptions& o) {
     for (int round = 0; round < 3; ++round) {  // round 0: whole prompts (Rows::all); then one token each
         std::vector<std::vector<std::int64_t>> ids(ps.size());
         std::vector<std::vector<float>> want(ps.size()), got(ps.size());
-        std::vector<BatchItem> items;
+        std::vector<StepItem> items;
         for (std::size_t i = 0; i < ps.size(); ++i) {
             ids[i] = round == 0 ? ps[i] : std::vector<std::int64_t>{std::int64_t((7 * i + 13 * std::size_t(round)) % V)};
             want[i].resize(ids[i].size() * V), got[i].resize(ids[i].size() * V);
             forward(want[i].data(), m, alone[i], ids[i], {.rows = Rows::all});
-            items.push_back(BatchItem{&batched[i], ids[i], got[i].data(), Rows::all});
+            items.push_back(StepItem{&batched[i], ids[i], got[i].data(), {.rows = Rows::all}});
         }
-        forward_batch(m, items);
+        forward(m, items);
         for (std::size_t i = 0; i < ps.size(); ++i) {
             CAPTURE(rel);
             CAPTURE(round);
@@ -60,12 +63,26 @@ void forward_batch_matches(const std::string& rel, const ModelOptions& o) {
 }
 
 // One request of the scheduler tests: a prompt, a sampler, a token budget, maybe a cancellation after
-// `cancel_after` tokens, and the step at which it arrives.
+// `cancel_after` tokens, the step at which it arrives, and how it decodes: with prompt-lookup drafts
+// (chapter 16) or by full recompute.
 struct Request {
     std::vector<std::int64_t> prompt;
     SamplingParams sp;
     std::size_t max_new, cancel_after, arrives;
+    bool speculate = false, recompute = false;
 };
+
+// A request's hooks beyond the token counter: its drafter (a fresh PromptLookup per run) when it speculates.
+DecodeHooks hooks_of(const Request& r, std::size_t& count, std::vector<float>* logits) {
+    DecodeHooks h{.token = [&count](std::int64_t) { return ++count, true; },
+                  .cancelled = [&count, &r] { return count >= r.cancel_after; },
+                  .logits = logits};
+    if (r.speculate)
+        h.draft = [lookup = std::make_shared<PromptLookup>(PromptLookup{.max_draft = 4})](std::span<const std::int64_t> seq, std::size_t room) {
+            return (*lookup)(seq, room);
+        };
+    return h;
+}
 
 struct Turn {
     std::vector<std::int64_t> ids;
@@ -76,8 +93,7 @@ Turn alone(Model& m, const Request& r, std::size_t chunk) {
     Session s(m.config, 64);
     Turn t;
     std::size_t n = 0;
-    t.ids = decode(m, s, r.prompt, {.max_new = r.max_new, .chunk = chunk}, sampler(r.sp),
-                   {.token = [&](std::int64_t) { return ++n, true; }, .cancelled = [&] { return n >= r.cancel_after; }, .logits = &t.logits});
+    t.ids = decode(m, s, r.prompt, {.max_new = r.max_new, .chunk = chunk}, sampler(r.sp), hooks_of(r, n, &t.logits));
     return t;
 }
 
@@ -91,6 +107,9 @@ void scheduler_matches(const std::string& rel, const ModelOptions& o, std::size_
         {ps[2], {1.0f, 0, 1.0f, 123}, 14, 4, 2},  // sampled, arrives at step 2, cancelled after 4 tokens
         {ps[3], {0.5f, 5, 1.0f, 9}, 1, 99, 3},    // one token only
         {ps[4], {0.0f, 0, 1.0f, 0}, 10, 99, 5},   // a long prompt arriving late
+        {ps[0], {0.0f, 0, 1.0f, 0}, 16, 99, 1, true},          // greedy with prompt-lookup drafts
+        {ps[1], {0.7f, 0, 1.0f, 5}, 12, 9, 4, true},           // sampled with drafts, cancelled after 9
+        {ps[2], {0.0f, 0, 1.0f, 0}, 5, 99, 2, false, true},    // full recompute
     };
     std::vector<Turn> want;
     for (const Request& r : reqs) want.push_back(alone(m, r, chunk));
@@ -104,10 +123,9 @@ void scheduler_matches(const std::string& rel, const ModelOptions& o, std::size_
     for (std::size_t step = 0; joined < reqs.size() || !batch.idle(); ++step) {
         for (std::size_t i = 0; i < reqs.size(); ++i)
             if (reqs[i].arrives == step) {
-                ids[i] = batch.join(Conversation{&sessions[i], reqs[i].prompt, {.max_new = reqs[i].max_new, .chunk = chunk}, sampler(reqs[i].sp),
-                                                 {.token = [&, i](std::int64_t) { return ++count[i], true; },
-                                                  .cancelled = [&, i] { return count[i] >= reqs[i].cancel_after; },
-                                                  .logits = &got[i].logits}});
+                ids[i] = batch.join(Conversation{&sessions[i], reqs[i].prompt,
+                                                 {.max_new = reqs[i].max_new, .chunk = chunk, .recompute = reqs[i].recompute},
+                                                 sampler(reqs[i].sp), hooks_of(reqs[i], count[i], &got[i].logits)});
                 ++joined;
             }
         batch.step();
@@ -129,22 +147,23 @@ void scheduler_matches(const std::string& rel, const ModelOptions& o, std::size_
         CHECK_BITS_EQ(got[i].logits, want[i].logits);
     }
     CHECK(batch.drawn(ids[2]).size() == 4);  // the cancellation took effect mid-batch
+    CHECK(batch.drawn(ids[6]).size() >= 9);  // a speculating request stops at a step's end: 9 or a few more
     set_threads(2);
 }
 
 }  // namespace
 
-TEST_CASE("13a.1 a batched step gives every session the logits bits it gets alone (tiny K3, resident and at the floor)") {
-    forward_batch_matches("fixtures/tiny-k3", ModelOptions{});
-    forward_batch_matches("fixtures/tiny-k3", at_floor(test::source_path("fixtures/tiny-k3")));
+TEST_CASE("13.3 a step over several sessions gives each the logits bits it gets alone (tiny K3, resident and at the floor)") {
+    step_matches("fixtures/tiny-k3", ModelOptions{});
+    step_matches("fixtures/tiny-k3", at_floor(test::source_path("fixtures/tiny-k3")));
 }
 
-TEST_CASE("13a.1 a batched step on the little K3 and the odd-width variant") {
-    forward_batch_matches("fixtures/little-k3", at_floor(test::source_path("fixtures/little-k3")));
-    forward_batch_matches("fixtures/variants/odd-widths", ModelOptions{});
+TEST_CASE("13.3 a step over several sessions on the little K3 and the odd-width variant") {
+    step_matches("fixtures/little-k3", at_floor(test::source_path("fixtures/little-k3")));
+    step_matches("fixtures/variants/odd-widths", ModelOptions{});
 }
 
-TEST_CASE("13a.1 a batched step reads the trunk once, however many sessions it steps") {
+TEST_CASE("13.3 a step over several sessions reads the trunk once, however many it steps") {
     const std::string dir = test::source_path("fixtures/little-k3");
     Model m(dir, at_floor(dir));
     const std::size_t V = std::size_t(m.config.vocab_size);
@@ -155,9 +174,9 @@ TEST_CASE("13a.1 a batched step reads the trunk once, however many sessions it s
     auto trunk_bytes = [&](std::size_t n, int steps) {  // ring bytes over `steps` steps of n sessions
         const std::uint64_t before = m.trunk().ring_stats().bytes;
         for (int k = 0; k < steps; ++k) {
-            std::vector<BatchItem> items;
-            for (std::size_t i = 0; i < n; ++i) items.push_back(BatchItem{&s[i], std::span(&ids[i], 1), &logits[i * V]});
-            forward_batch(m, items);
+            std::vector<StepItem> items;
+            for (std::size_t i = 0; i < n; ++i) items.push_back(StepItem{&s[i], std::span(&ids[i], 1), &logits[i * V]});
+            forward(m, items);
         }
         return m.trunk().ring_stats().bytes - before;
     };
@@ -171,37 +190,67 @@ TEST_CASE("13a.1 a batched step reads the trunk once, however many sessions it s
     CHECK(four <= one + 2 * ring);  // four sessions stepped apart would read 4x
 }
 
-TEST_CASE("13a.1 forward_batch refuses two items on one session, an empty item, an empty batch") {
+TEST_CASE("13.3 a step refuses two items on one session, an empty item, an empty step") {
     Model m(test::source_path("fixtures/tiny-k3"), ModelOptions{});
     Session s(m.config, 64);
     std::vector<float> logits(2 * std::size_t(m.config.vocab_size));
     const std::vector<std::int64_t> ids = {1, 2};
-    const std::vector<BatchItem> twice = {{&s, std::span(ids).first(1), logits.data()}, {&s, std::span(ids).last(1), logits.data()}};
-    CHECK_THROWS_WITH(forward_batch(m, twice), doctest::Contains("share one session"));
-    const std::vector<BatchItem> empty = {{&s, {}, logits.data()}};
-    CHECK_THROWS_WITH(forward_batch(m, empty), doctest::Contains("no tokens"));
-    CHECK_THROWS_WITH(forward_batch(m, {}), doctest::Contains("no conversation"));
+    const std::vector<StepItem> twice = {{&s, std::span(ids).first(1), logits.data()}, {&s, std::span(ids).last(1), logits.data()}};
+    CHECK_THROWS_WITH(forward(m, twice), doctest::Contains("share one session"));
+    const std::vector<StepItem> empty = {{&s, {}, logits.data()}};
+    CHECK_THROWS_WITH(forward(m, empty), doctest::Contains("no tokens"));
+    CHECK_THROWS_WITH(forward(m, std::span<const StepItem>{}), doctest::Contains("no sequence"));
     CHECK(s.position() == 0);
 }
 
-TEST_CASE("13a.2 the scheduler: staggered arrivals, a cancellation mid-batch, mixed samplers = each request alone") {
+TEST_CASE("13.3 in a step over several sessions, one session's record and tentative step are what they are alone") {
+    Model m(test::source_path("fixtures/tiny-k3"), ModelOptions{});
+    const std::size_t V = std::size_t(m.config.vocab_size);
+    const auto ps = prompts("fixtures/tiny-k3", V);
+    Session a(m.config, 64), b(m.config, 64), other(m.config, 64);
+    std::vector<float> la(ps[0].size() * V), lb(ps[0].size() * V), lo(ps[1].size() * V);
+    StepRecord ra, rb;
+    TentativeKda ta, tb;
+    forward(la.data(), m, a, ps[0], {.rows = Rows::all, .tentative = &ta, .record = &ra});
+    const std::vector<StepItem> items = {{&other, ps[1], lo.data(), {.rows = Rows::all}},
+                                         {&b, ps[0], lb.data(), {.rows = Rows::all, .tentative = &tb, .record = &rb}}};
+    forward(m, items);
+    CHECK_BITS_EQ(lb, la);
+    REQUIRE(rb.layers.size() == ra.layers.size());
+    for (std::size_t l = 0; l < ra.layers.size(); ++l) {
+        CAPTURE(l);
+        CHECK_BITS_EQ(rb.layers[l].attn_mix, ra.layers[l].attn_mix);
+        CHECK_BITS_EQ(rb.layers[l].mlp_mix, ra.layers[l].mlp_mix);
+        CHECK(rb.layers[l].routing.ids == ra.layers[l].routing.ids);
+        CHECK_BITS_EQ(rb.layers[l].routing.weights, ra.layers[l].routing.weights);
+        CHECK_BITS_EQ(rb.layers[l].routing.scores, ra.layers[l].routing.scores);
+    }
+    CHECK_BITS_EQ(rb.out_mix, ra.out_mix);
+    keep_tokens(m, a, ta, 3), keep_tokens(m, b, tb, 3);  // kept to 3 tokens, both sessions continue alike
+    std::vector<float> na(V), nb(V);
+    forward(na.data(), m, a, std::span(ps[0]).subspan(3, 1));
+    forward(nb.data(), m, b, std::span(ps[0]).subspan(3, 1));
+    CHECK_BITS_EQ(nb, na);
+}
+
+TEST_CASE("13a.1 the scheduler: staggered arrivals, a cancellation mid-batch, mixed samplers, speculation, recompute = each request alone") {
     scheduler_matches("fixtures/tiny-k3", ModelOptions{}, 8, 32, 2);
     scheduler_matches("fixtures/tiny-k3", ModelOptions{}, 2, 5, 1);  // a queue (2 at a time), prompts in chunks of 5, one thread
 }
 
-TEST_CASE("13a.2 the scheduler on the little K3 at its floor budget") {
+TEST_CASE("13a.1 the scheduler on the little K3 at its floor budget") {
     const std::string dir = test::source_path("fixtures/little-k3");
     scheduler_matches("fixtures/little-k3", at_floor(dir), 4, 32, 2);
     scheduler_matches("fixtures/little-k3", at_floor(dir), 3, 3, 1);
 }
 
-TEST_CASE("13a.2 Batch refuses max_batch 0, a conversation without tokens, drafts") {
+TEST_CASE("13a.1 Batch refuses max_batch 0, a conversation without tokens, drafts with full recompute") {
     Model m(test::source_path("fixtures/tiny-k3"), ModelOptions{});
     CHECK_THROWS_WITH(Batch(m, 0), doctest::Contains("at least 1"));
     Batch b(m, 1);
     Session s(m.config, 64);
     CHECK_THROWS_WITH(b.join(Conversation{&s, {}, {.max_new = 1}, sampler({}), {}}), doctest::Contains("tokens to feed"));
-    Conversation c{&s, {1}, {.max_new = 1}, sampler({}), {}};
+    Conversation c{&s, {1}, {.max_new = 1, .recompute = true}, sampler({}), {}};
     c.hooks.draft = [](std::span<const std::int64_t>, std::size_t) { return std::vector<std::int64_t>{}; };
     CHECK_THROWS_WITH(b.join(std::move(c)), doctest::Contains("drafts"));
     CHECK(b.idle());

@@ -1,6 +1,8 @@
 // kimik3 plan (MODEL_DIR | --config CONFIG) --budget SIZE | --preset NAME: what runs where at a budget.
 #pragma once
 
+#include <cmath>
+
 #include "common.hpp"
 
 namespace kimik3::cli {
@@ -46,7 +48,20 @@ inline int cmd_plan(std::vector<std::string> args) {
     const std::string each = per_conversation(s, o.context);
     if (p.budget < p.floor) fail(ErrorKind::budget, plan_error_floor(p) + " (" + each + ")");
     std::printf("%s", describe_plan(p, c).c_str());
-    if (o.sessions > 1) std::printf("  batch:    %llu conversations, %s\n", (unsigned long long)o.sessions, each.c_str());
+    if (o.sessions > 1) {
+        std::printf("  batch:    %llu conversations, %s\n", (unsigned long long)o.sessions, each.c_str());
+        // One step of N decoding conversations reads the streamed trunk once and the union of the experts
+        // they route to: under uniform routing a layer's N x K picks of E cover E (1 - (1 - K/E)^N) experts
+        // (the pessimistic end: real routing is skewed, and the expert cache's hits are not counted).
+        const double N = double(o.sessions), E = double(c.num_experts), K = double(c.num_experts_per_token);
+        const double one = double(p.trunk_read_per_token + p.expert_read_per_token);
+        const double union_experts = K > 0 ? double(p.expert_read_per_token) * E * (1 - std::pow(1 - K / E, N)) / K : 0.0;
+        const double step = double(p.trunk_read_per_token) + union_experts;
+        std::printf("            a step of %llu decoding together reads trunk %s + experts up to %s (uniform routing): %s per generated\n"
+                    "            token, %.3f of one conversation's %s\n",
+                    (unsigned long long)o.sessions, human_bytes(double(p.trunk_read_per_token)).c_str(), human_bytes(union_experts).c_str(),
+                    human_bytes(step / N).c_str(), one > 0 ? step / N / one : 0.0, human_bytes(one).c_str());
+    }
     return kExitOk;
 }
 

@@ -122,8 +122,8 @@ inline const char* kServeUsage =
     "                    request by a token (or a prompt chunk) in one read of the weights, each on a session of\n"
     "                    its own (planned: N carried states and MLA caches inside --budget, refused with exit\n"
     "                    code 3 when they do not fit). Every reply is the one it gets alone, bit for bit. Requests\n"
-    "                    past N wait in the queue; a traced request (the page's) and every request under\n"
-    "                    --speculate run alone, between batches\n"
+    "                    past N wait in the queue; a traced request (the page's) runs alone, between batches.\n"
+    "                    With --speculate, each request in the batch verifies its own drafts in the shared step\n"
     "  --budget SIZE, --preset NAME, --trunk DIR, --no-direct, --threads N   as for kimik3 run\n"
     "  --quiet           no request log on stderr\n"
     "\n"
@@ -393,20 +393,21 @@ class Engine {
     }
 
     // --max-batch N > 1: appendix 13a's Batch steps every active request, each on a session of its own
-    // (session 0 is live_), by one token or one prompt chunk per forward step; requests join and leave
-    // between steps, the rest wait in the queue in arrival order. A request the batch cannot take (a
-    // trace, every one under --speculate: the step records and drafts are decode's) waits until the
+    // (session 0 is live_), by one token or one prompt chunk per forward step (under --speculate, its last
+    // token and its drafts); requests join and leave between steps, the rest wait in the queue in arrival
+    // order. A traced request (its trace reports each step's reads, which a batch shares) waits until the
     // batch is empty and runs alone on session 0. Each free session keeps its conversation: a request
     // takes the free one that holds the longest prefix of its prompt (else the one left longest ago).
     struct Member {
         std::shared_ptr<Job> job;
         ReplyEvents out;
+        PromptLookup drafter{};
         std::size_t slot = 0, reused = 0;
         Batch::Id id = 0;
         double queue_seconds = 0, prefill = 0;
         std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now(), t_first = t0;
     };
-    bool alone(const Job& j) const { return speculate_ > 0 || j.req.trace; }
+    bool alone(const Job& j) const { return j.req.trace; }
     Session& slot(std::size_t i) { return i == 0 ? live_ : *extra_[i - 1]; }
 
     void loop_batch() {
@@ -446,7 +447,7 @@ class Engine {
             }
             for (auto& job : joining) {
                 const GenRequest& q = job->req;
-                auto m = std::make_unique<Member>(Member{job, ReplyEvents(q, tok_, stops_)});
+                auto m = std::make_unique<Member>(Member{job, ReplyEvents(q, tok_, stops_), PromptLookup{.max_draft = speculate_}});
                 m->queue_seconds = seconds_since(job->submitted);
                 if (job->cancelled) {
                     job->push(cancelled_event()), leave(*m, false);
@@ -474,6 +475,7 @@ class Engine {
                 c.choose = sampler(sp);
                 Member* mp = m.get();
                 c.hooks.cancelled = [mp] { return mp->job->cancelled.load(); };
+                if (speculate_) c.hooks.draft = [mp](std::span<const std::int64_t> seq, std::size_t room) { return mp->drafter(seq, room); };
                 c.hooks.token = [mp, &drawn_this_step](std::int64_t id) {
                     if (mp->out.drawn == 0) mp->prefill = seconds_since(mp->t0), mp->t_first = std::chrono::steady_clock::now();
                     ++drawn_this_step;
@@ -1227,7 +1229,7 @@ inline int cmd_serve(std::vector<std::string> args) {
     if (so.max_batch > 1)
         std::fprintf(stderr, "kimik3 serve: batch: up to %zu conversations per forward step, each on a session of its own; state reuse: a request "
                              "takes the free session that holds the longest prefix of its prompt%s\n", so.max_batch,
-                     so.speculate ? " (under --speculate every request runs alone)" : "");
+                     so.speculate ? "; each verifies its own --speculate drafts in the shared steps" : "");
     else std::fprintf(stderr, "kimik3 serve: state reuse: %s\n",
                  engine.mark_enabled() ? ("the live conversation, and the KDA states at the end of the last prompt (" +
                                           human_bytes(double(engine.mark_bytes())) + ")").c_str()
