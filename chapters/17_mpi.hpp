@@ -90,6 +90,7 @@
 // USES     chapters 04, 08, 10 (the two hooks), 12 (make_plan: each rank's plan), 13
 // RUN      make run-17 (one rank), mpirun -np 3 build/g++/examples/17_mpi (the same transcript), and the
 //          whole CLI: mpirun -np 3 build/g++/kimik3-mpi run fixtures/little-k3 --prompt "..." --gen 8
+//          (--speculate too: a verify step is a step like any other), or kimik3-mpi chat (share_line below)
 // TEST     make test (tests/mpi.sh: logits hashes at 1-4 ranks against kimik3; skipped without MPI)
 //
 // SECTIONS
@@ -258,6 +259,17 @@ class MpiJob {
         const MpiStats& e = experts_->stats;
         s.collectives += e.collectives, s.floats_gathered += e.floats_gathered, s.floats_received += e.floats_received, s.seconds += e.seconds;
         return s;
+    }
+
+    // A line of text from rank 0 to every rank (a chat's input: only rank 0 reads the terminal). `more`
+    // (rank 0's) says whether there is a line; false on every rank at the end of the input.
+    bool share_line(std::string& line, bool more) const {
+        long long n = rank_ == 0 ? (more ? (long long)std::min<std::size_t>(line.size(), 1u << 30) : -1) : 0;
+        MPI_Bcast(&n, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+        if (n < 0) return false;
+        line.resize(std::size_t(n));
+        MPI_Bcast(line.data(), int(n), MPI_CHAR, 0, MPI_COMM_WORLD);
+        return true;
     }
 
     // Where a fault's line goes when this rank's stderr is silenced (ranks other than 0 print nothing else).

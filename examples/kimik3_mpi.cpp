@@ -1,6 +1,7 @@
 // kimik3-mpi: kimik3 run over N MPI ranks (chapter 17), and the cost model's table.
 //
 //   mpirun -np N kimik3-mpi run MODEL_DIR ...   kimik3 run's options; every rank computes its share, rank 0 prints
+//   mpirun -np N kimik3-mpi chat MODEL_DIR ...  kimik3 chat's: rank 0 reads each line and sends it to every rank
 //   kimik3-mpi plan MODEL_DIR --ranks N [--budget SIZE]   each rank's share, and its plan at a budget
 //   kimik3-mpi cost [CONFIG_JSON]               projected seconds per token of a config on 2-16 machines
 //
@@ -15,6 +16,7 @@
 
 #include "cli/common.hpp"
 #include "cli/run.hpp"
+#include "cli/text.hpp"
 #include "../chapters/17_mpi.hpp"
 
 using namespace kimik3;
@@ -24,6 +26,8 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: mpirun -np N kimik3-mpi run MODEL_DIR [kimik3 run's options]\n"
+    "       mpirun -np N kimik3-mpi chat MODEL_DIR [kimik3 chat's options]   (rank 0 reads the lines; Ctrl-C ends\n"
+    "           the job; no /save or /load)\n"
     "       kimik3-mpi plan (MODEL_DIR | --config CONFIG.json) --ranks N [--budget SIZE|floor] [--context N]\n"
     "           what each rank computes and holds, its floor, the budget that holds all of its share, and the\n"
     "           traffic per token; with --budget, each rank's plan at that budget (resident, streamed, messages)\n"
@@ -140,7 +144,8 @@ int main(int argc, char** argv) {
             return std::fprintf(stderr, "kimik3-mpi plan: error: %s\n", e.what()), exit_code(e);
         }
     }
-    if (args[0] != "run") return std::fprintf(stderr, "kimik3-mpi: unknown command '%s'\n%s", args[0].c_str(), kUsage), kExitUsage;
+    if (args[0] != "run" && args[0] != "chat") return std::fprintf(stderr, "kimik3-mpi: unknown command '%s'\n%s", args[0].c_str(), kUsage), kExitUsage;
+    const std::string command = args[0];
     args.erase(args.begin());
     MpiJob job(&argc, &argv);
     if (job.rank() != 0) {  // rank 0 alone prints and writes files; a fault still reaches the terminal (MpiJob::abort)
@@ -154,13 +159,19 @@ int main(int argc, char** argv) {
     int rc = kExitOk;
     try {
         (void)kernel_isa();
-        rc = cmd_run(args);
+        if (command == "run") {
+            rc = cmd_run(args);
+        } else {
+            ChatIO io{.read_line = [&job](std::string& line) { return job.share_line(line, job.rank() == 0 && bool(std::getline(std::cin, line))); },
+                      .files = false, .interrupts = false};
+            rc = cmd_chat_with(args, io);
+        }
     } catch (const Usage& e) {
-        job.abort(std::string("run: ") + e.what(), kExitUsage);
+        job.abort(command + ": " + e.what(), kExitUsage);
     } catch (const Error& e) {
-        job.abort(std::string("run: error: ") + e.what(), exit_code(e));
+        job.abort(command + ": error: " + e.what(), exit_code(e));
     } catch (const std::exception& e) {
-        job.abort(std::string("run: error: ") + e.what(), kExitRuntime);
+        job.abort(command + ": error: " + e.what(), kExitRuntime);
     }
     if (std::getenv("KIMIK3_MPI_STATS")) {
         const MpiStats st = job.stats();

@@ -70,6 +70,22 @@ for np in 2 3; do
     same "kimik3-mpi run's logits at $np ranks" "$tmp/one.npy" "$tmp/np$np.npy"
 done
 
+# speculation and sessions under MPI: run --speculate (sampled, at the floor) and a three-turn chat (sampled,
+# with drafts, rank 0 reading the lines) print what kimik3 run and kimik3 chat print
+spec=(--raw --prompt "She opened the door and saw" --gen 24 --quiet --budget floor --temperature 0.8 --seed 3)
+"$bin" run "$model" "${spec[@]}" --dump-logits "$tmp/spec1.npy" > "$tmp/spec1.txt" 2>/dev/null
+timeout 300 $mpirun -np 2 "$mpi_bin" run "$model" "${spec[@]}" --speculate 4 --dump-logits "$tmp/spec2.npy" > "$tmp/spec2.txt" 2>/dev/null
+same "kimik3-mpi run --speculate 4 at 2 ranks: kimik3 run's sampled text (no drafts)" "$tmp/spec1.txt" "$tmp/spec2.txt"
+same "kimik3-mpi run --speculate 4 at 2 ranks: kimik3 run's logits" "$tmp/spec1.npy" "$tmp/spec2.npy"
+printf 'Hello there.\nTell me about the door.\n/save %s/chat.k3s\nAnd then?\n' "$tmp" > "$tmp/chat.in"
+chat=(--max-new 16 --budget floor --temperature 0.7 --seed 11)
+"$bin" chat "$model" "${chat[@]}" < "$tmp/chat.in" > "$tmp/chat1.txt" 2>/dev/null
+for np in 2 3; do
+    timeout 300 $mpirun -np $np "$mpi_bin" chat "$model" "${chat[@]}" --speculate 4 < "$tmp/chat.in" > "$tmp/chat$np.txt" 2>"$tmp/chat$np.err"
+    same "kimik3-mpi chat --speculate 4 at $np ranks: kimik3 chat's three replies" "$tmp/chat1.txt" "$tmp/chat$np.txt"
+done
+expect "kimik3-mpi chat refuses /save (each rank holds the session) and goes on" 0 "not here: under MPI" cat "$tmp/chat2.err"
+
 # (3) faults: rank 1 of 2 lacks a shard / fails a read / dies; the job ends, naming the rank, in bounded time
 mkdir -p "$tmp/broken"
 cp "$model"/config.json "$model"/model.safetensors.index.json "$model"/model-00001-of-00002.safetensors "$model"/tiktoken.model "$model"/tokenizer_config.json "$tmp/broken/"

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <iostream>
 
 #include "common.hpp"
@@ -121,7 +122,15 @@ inline ChatOptionsCli parse_chat_args(std::vector<std::string> args) {
     return c;
 }
 
-inline int cmd_chat(std::vector<std::string> args) {
+// Where chat's lines come from, and what it may do besides (kimik3-mpi chat: rank 0 reads the terminal and
+// sends each line to every rank; a reply is stopped by ending the job, and no rank writes session files).
+struct ChatIO {
+    std::function<bool(std::string& line)> read_line = [](std::string& line) { return bool(std::getline(std::cin, line)); };
+    bool files = true;       // /save and /load
+    bool interrupts = true;  // Ctrl-C stops a reply, and the conversation goes on
+};
+
+inline int cmd_chat_with(std::vector<std::string> args, const ChatIO& io) {
     if (wants_help(args)) return std::fputs(kChatUsage, stdout), kExitOk;
     const ChatOptionsCli co = parse_chat_args(std::move(args));
     const std::string& system = co.system;
@@ -158,10 +167,11 @@ inline int cmd_chat(std::vector<std::string> args) {
     struct sigaction sa {}, old {};
     sa.sa_handler = chat_interrupt;
     sigemptyset(&sa.sa_mask);
-    if (::sigaction(SIGINT, nullptr, &old) == 0 && old.sa_handler != SIG_IGN) ::sigaction(SIGINT, &sa, nullptr);  // ignored (nohup, &): stays so
-    std::fprintf(stderr, "chat: type a message; /reset, /save FILE, /load FILE, /quit; Ctrl-C stops a reply\n");
+    if (io.interrupts && ::sigaction(SIGINT, nullptr, &old) == 0 && old.sa_handler != SIG_IGN) ::sigaction(SIGINT, &sa, nullptr);  // ignored (nohup, &): stays so
+    std::fprintf(stderr, "chat: type a message; %s/quit%s\n", io.files ? "/reset, /save FILE, /load FILE, " : "/reset, ",
+                 io.interrupts ? "; Ctrl-C stops a reply" : "");
     std::string line;
-    while (std::fprintf(stderr, "> "), g_chat_at_prompt = true, std::getline(std::cin, line)) {
+    while (std::fprintf(stderr, "> "), g_chat_at_prompt = true, io.read_line(line)) {
         g_chat_at_prompt = false;
         g_chat_interrupts = 0;
         if (line.empty()) continue;
@@ -169,6 +179,10 @@ inline int cmd_chat(std::vector<std::string> args) {
         if (line == "/reset") {
             start();
             std::fprintf(stderr, "(conversation reset)\n");
+            continue;
+        }
+        if (!io.files && (line.rfind("/save", 0) == 0 || line.rfind("/load", 0) == 0)) {
+            std::fprintf(stderr, "(not here: under MPI each rank holds the session; /save and /load are kimik3 chat's)\n");
             continue;
         }
         if (line.rfind("/save", 0) == 0 && (line.size() == 5 || line[5] == ' ')) {
@@ -231,5 +245,7 @@ inline int cmd_chat(std::vector<std::string> args) {
     }
     return kExitOk;
 }
+
+inline int cmd_chat(std::vector<std::string> args) { return cmd_chat_with(std::move(args), ChatIO{}); }
 
 }  // namespace kimik3::cli
