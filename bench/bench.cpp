@@ -97,7 +97,34 @@ std::size_t stream_bytes(std::size_t floor) { return std::max(floor, 4 * llc_byt
 struct Limits {
     double bw1 = 0, bw2 = 0;  // memory read, 1 and 2 threads
     double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
+    double pairs = 0;         // one thread's float multiply-then-add pairs per second (no decode, no loads)
 };
+
+// The compute limit of the T-token tables: every (row, token, column) is one multiply and one add,
+// rounded apart (no FMA: chapter 00), and every add of a sum waits for the one before it, so the best a
+// kernel can do is this loop: 16 independent sums of registers already loaded, one multiply and one add
+// each per step. T tokens over an n-weight matrix take at least T * n / pairs seconds, however seldom
+// the weights are decoded.
+double pair_rate(int reps) {
+    set_threads(1);
+    const long steps = 2000000;
+    volatile float sink = 0;
+    const double sec = median_seconds(reps, [&] {
+        simd::f32 acc[16];
+        for (auto& a : acc) a = simd::splat(0.0f);
+        simd::f32 w = simd::splat(1.0f + float(sink)), x = simd::splat(1e-3f);
+        for (long i = 0; i < steps; ++i) {
+            KIMIK3_UNROLL for (int k = 0; k < 16; ++k) acc[k] = acc[k] + w * x;
+            w = detail::keep_loaded(w), x = detail::keep_loaded(x);  // (so w * x is not hoisted out of the loop)
+        }
+        simd::f32 s = acc[0];
+        for (int k = 1; k < 16; ++k) s = s + acc[k];
+        float lanes[8 * 4];
+        simd::store(lanes, s);
+        sink = lanes[0];
+    });
+    return 16.0 * double(steps) * simd::W / sec;
+}
 
 double l2_bandwidth(int reps) {
     set_threads(1);
@@ -135,9 +162,10 @@ constexpr std::size_t kTokenCounts[] = {1, 2, 4, 8, 16};
 void token_row(std::size_t T, const char* kernel, bool hot, int threads, double sec, double weights, double bytes, double t1, const Limits& lim) {
     char label[16];
     std::snprintf(label, sizeof label, "T = %zu", T);
-    const double bw = bytes / sec;
-    std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes)\n", label, kernel,
-                hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2), bw / lim.l2);
+    const double bw = bytes / sec, floor = double(T) * weights / (lim.pairs * threads);
+    std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes), %4.2f of the pair limit\n",
+                label, kernel, hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2),
+                bw / lim.l2, floor / sec);
     std::fflush(stdout);
 }
 
@@ -308,7 +336,7 @@ int main(int argc, char** argv) {
     std::printf("  this CPU runs %s kernels; in use: %s (bf16), %s (MXFP4); last-level cache %.0f MiB\n", isa_name(cpu_isa()),
                 bf16_kernel_name(), mxfp4_kernel_name(), double(llc_bytes()) / double(1 << 20));
     const std::size_t read_bytes = stream_bytes(std::size_t(512) << 20);
-    std::printf("\nmachine limits, measured now: plain read of a %.0f MB buffer (memory), and of 256 kB (L2)\n", double(read_bytes) / 1e6);
+    std::printf("\nmachine limits, measured now: plain read of a %.0f MB buffer (memory), and of 256 kB (L2); multiplies and adds\n", double(read_bytes) / 1e6);
     Limits lim;
     {
         std::vector<float> buf(read_bytes / sizeof(float), 1.0f);
@@ -316,7 +344,9 @@ int main(int argc, char** argv) {
         lim.bw2 = read_bandwidth(buf, 2);
     }
     lim.l2 = l2_bandwidth(g_reps);
+    lim.pairs = pair_rate(g_reps);
     std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n  L2 (256 kB, 1 thread) %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9, lim.l2 / 1e9);
+    std::printf("  float multiply+add pairs, 1 thread: %.1f G/s (the T-token tables' \"pair limit\": T x weights / this, x threads)\n", lim.pairs / 1e9);
     if (only.empty() || only == "bf16") bench_bf16(lim);
     if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
     if (only.empty() || only == "kda") {

@@ -166,7 +166,7 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // speculative verification) should read and decode each weight ONCE and use it T times. Registers
 // cannot hold T tokens' sums for several rows (T = 16, 4 rows: 64 sums of 16 lanes), so the plan is:
 //
-//   for each block of B rows:                                  (B = 8; the AVX-512 MXFP4 plan: B = R = 4)
+//   for each block of B rows:                                  (B = 8; the AVX-512 plan: B = R = 4)
 //     sums[B][T] = 0                                           (16 lanes each, in memory: 8 kB at T = 16)
 //     for each panel of P columns (in column order):          (P <= 256: the T tokens' slices in 16 kB)
 //       for each group of R rows of the block:                  (R = 2 on 8-wide SIMD, 4 on AVX-512)
@@ -180,9 +180,9 @@ inline void bf16_block(float* y, std::size_t y_stride, const float* xp, std::siz
 // permuted the same way, 4.2); `lane[p]` says which logical lane position p of a stored sum is. The B
 // rows of a block share each panel of x while it is in L1 (one row pair alone re-read all T tokens' x
 // from L2 for every pair, which bound the loop on Zen 3); each decode asks for its rows' next panel.
-// Who uses it: the xsimd and NEON bf16 kernels; the MXFP4 kernels of chapter 05 (AVX2 and AVX-512 past 4 tokens). The
-// AVX-512 bf16 kernel measured faster reading each row once per 8 tokens with no tile (04a): a bf16
-// weight costs one shift to decode, so keeping it decoded buys less than the tile's extra pass.
+// Who uses it: the xsimd and NEON bf16 kernels, the AVX-512 one past 4 tokens (04a), and the MXFP4
+// kernels of chapter 05 (AVX2 and AVX-512 past 4 tokens). Up to 4 tokens those ISA kernels keep every
+// sum in registers instead, each weight decoded once and used by every token without the tile's store.
 inline constexpr std::size_t kPanel = 256;  // the widest panel, and the tile's row stride
 
 namespace detail {
@@ -213,8 +213,9 @@ inline void prefetch_ahead(const void* p, std::size_t n) {
 }
 
 // The T-token plan above for rows [r0, r1). Panel::run<NR, NT>(sums, sums_t, tile, x, x_stride, n) is the
-// ISA's inner loop; decode(tile, row, nr, c0, c1) fills tile (nr, kPanel); tail(row, t, i) is the
-// product of a column past the last full chunk (bf16 only: MXFP4 widths are multiples of 32).
+// ISA's inner loop and Panel::finish its end of a block of rows (the tree: TilePlan's, or an ISA's in
+// registers); decode(tile, row, nr, c0, c1) fills tile (nr, kPanel); tail(row, t, i) is the product of
+// a column past the last full chunk (bf16 only: MXFP4 widths are multiples of 32).
 template <class Panel, class Decode, class Tail>
 inline void token_tiles(float* y, std::size_t ldy, const float* xp, std::size_t tokens, std::size_t r0, std::size_t r1,
                         std::size_t cols, const int (&lane)[kLanes], Decode&& decode, Tail&& tail) {
@@ -256,13 +257,7 @@ inline void token_tiles(float* y, std::size_t ldy, const float* xp, std::size_t 
                 r += std::size_t(nr);
             }
         }
-        for (std::size_t r = rb; r < re; ++r)
-            for (std::size_t t = 0; t < tokens; ++t) {
-                const float* s = sums + ((r - rb) * tokens + t) * kLanes;
-                float lanes[kLanes];
-                for (int p = 0; p < kLanes; ++p) lanes[lane[p]] = s[p];
-                y[t * ldy + r] = finish_tail(lanes, full, cols, [&](std::size_t c) { return tail(r, t, c); });
-            }
+        Panel::finish(y, ldy, sums, tokens, rb, re, full, cols, lane, tail);
     }
 }
 
@@ -273,6 +268,19 @@ template <int Rows, int Tokens> struct TilePlan {
     static constexpr int group(std::size_t left) { return even_group(left, kTokens); }
     static constexpr std::size_t panel_cols(std::size_t tokens) {
         return std::clamp<std::size_t>(4096 / tokens / 32 * 32, 32, kPanel);
+    }
+    // The outputs of rows [rb, re): each sum put back in logical lane order, the tail columns added, the tree.
+    // sums: (row - rb, token) at sums + ((row - rb) * tokens + token) * 16.
+    template <class Tail>
+    static void finish(float* y, std::size_t ldy, const float* sums, std::size_t tokens, std::size_t rb, std::size_t re, std::size_t full,
+                       std::size_t cols, const int (&lane)[kLanes], Tail& tail) {
+        for (std::size_t r = rb; r < re; ++r)
+            for (std::size_t t = 0; t < tokens; ++t) {
+                const float* s = sums + ((r - rb) * tokens + t) * kLanes;
+                float lanes[kLanes];
+                for (int p = 0; p < kLanes; ++p) lanes[lane[p]] = s[p];
+                y[t * ldy + r] = finish_tail(lanes, full, cols, [&](std::size_t c) { return tail(r, t, c); });
+            }
     }
 };
 

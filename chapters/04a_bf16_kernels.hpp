@@ -30,44 +30,87 @@ namespace kimik3 {
 // 4.2 is not needed: vpmovzxwd widens 16 bf16 (32 bytes) into 16 32-bit lanes and a shift by 16 makes
 // them f32, lane j = column j. One accumulator per (row, token) holds the 16 logical lanes as they are;
 // x is read unpermuted. One token: rows four at a time (four independent chains of additions, each load
-// of x shared). T tokens: one row for 8 tokens at a time (below: measured faster than 4.3's tiles here).
+// of x shared). Up to 4 tokens: the same loop with 4 rows x T sums in registers, each chunk widened once.
+// More: 4.3's tiles (below). Every sum ends with hsum16's tree done in registers (hsum16_avx512).
 #if KIMIK3_X86_KERNELS
 KIMIK3_AVX512_BEGIN  // (g++ 12's false warnings on its own intrinsics: chapter 00's 0.9)
 namespace detail {
 
-// How far ahead of each row's reads the kernel prefetches. The hardware prefetcher alone left one
-// thread at 0.90-0.92 of what it reaches with this hint (2 kB measured best of 0.5-8 kB; 8 kB is worse).
-inline constexpr std::size_t kPrefetchBytes = 2048;
+// How far ahead of each row's reads the kernel asks for its lines, and into which cache. On the Xeon
+// that tuned it first, the hardware prefetcher alone left one thread at 0.90-0.92 of what it reaches
+// with a hint 2 kB ahead into L1 (0.5-8 kB measured). On a Zen 4 (2 cores shared with other work, q_proj,
+// medians of 4 alternating runs of the same-run read ratio) that hint with 4 rows gave 0.60-0.62 of the
+// read bandwidth; 8 rows with a hint 3 kB ahead into L2 (prefetcht1) 0.79 at 1 thread and 0.91 at 2.
+inline constexpr std::size_t kPrefetchBytes = 3072;
+
+KIMIK3_TARGET_AVX512 inline void prefetch_row_avx512(const bf16* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1); }
 
 KIMIK3_TARGET_AVX512 inline __m512 widen_bf16_avx512(const bf16* p) {  // 16 bf16 -> 16 f32, exact
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One token, R rows: each 64-byte line of each row also asks for the line 2 kB ahead.
-template <int R>
-KIMIK3_TARGET_AVX512 inline void bf16_rows_avx512(float* y, const float* x, const bf16* w, std::size_t cols) {
-    // y (R) at row 0, x (in), w (R, in)
-    __m512 acc[R];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// Chapter 00's tree (hsum16) in registers: the same 15 additions of the same pairs in the same order,
+// lane i + lane i+8 (the two 256-bit halves), then i + i+4 (the 128-bit halves), i + i+2, and the last
+// two. Storing the 16 lanes and adding them in scalar code cost ~70 cycles per output here (Zen 4: the
+// loads wait for the wide store to forward), a fifth of a T-token matmul's time; this is a few cycles.
+KIMIK3_TARGET_AVX512 inline float hsum16_avx512(__m512 v) {  // v: the 16 lanes in logical order
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // s4[0] + s4[2], s4[1] + s4[3]
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));  // s2[0] + s2[1]
+}
+
+// The end of a row's sum: the tree in registers when the row has no tail, else chapter 00's finish_tail.
+template <class Product>
+KIMIK3_TARGET_AVX512 inline float finish_avx512(__m512 acc, std::size_t full, std::size_t cols, Product&& product) {
+    if (full == cols) return hsum16_avx512(acc);
+    float lanes[kLanes];
+    _mm512_storeu_ps(lanes, acc);
+    return finish_tail(lanes, full, cols, product);
+}
+
+// R rows x NT tokens straight from the weights: each chunk of each row widened once, in registers,
+// for the NT tokens (R * NT sums, R weights and one input: 4 x 4 fills 21 of the 32 registers); each
+// 64-byte line of each row also asks for the line kPrefetchBytes ahead. y (NT, ldy) at row 0, x (NT, in), w (R, in).
+template <int R, int NT>
+KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t cols) {
+    __m512 acc[R][NT];
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
     const std::size_t full = full_chunks(cols);
     auto chunk = [&](std::size_t c) KIMIK3_TARGET_AVX512 {
-        const __m512 xv = _mm512_loadu_ps(x + c);
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(widen_bf16_avx512(w + std::size_t(r) * cols + c), xv));
+        __m512 wv[R];
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) wv[r] = widen_bf16_avx512(w + std::size_t(r) * cols + c);
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            const __m512 xv = _mm512_loadu_ps(x + std::size_t(t) * cols + c);
+            KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(wv[r], xv));
+        }
     };
     std::size_t c = 0;
     for (; c + 2 * kLanes <= full; c += 2 * kLanes) {
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + std::size_t(r) * cols + c) + kPrefetchBytes, _MM_HINT_T0);
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) prefetch_row_avx512(w + std::size_t(r) * cols + c);
         chunk(c);
         chunk(c + kLanes);
     }
     if (c < full) chunk(c);
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-        float lanes[kLanes];
-        _mm512_storeu_ps(lanes, acc[r]);
-        const bf16* wr = w + std::size_t(r) * cols;
-        y[r] = finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * x[i]; });
-    }
+    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
+            const bf16* wr = w + std::size_t(r) * cols;
+            const float* xt = x + std::size_t(t) * cols;
+            y[std::size_t(t) * ldy + std::size_t(r)] = finish_avx512(acc[r][t], full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * xt[i]; });
+        }
+}
+
+// Rows [r0, r1) for NT = 1..4 tokens: eight rows at a time for one token, four for more (independent
+// chains of additions, each load of x shared by the rows, eight streams of weights in flight), then one.
+template <int NT>
+KIMIK3_TARGET_AVX512 inline void bf16_few_tokens_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t cols,
+                                                        std::size_t r0, std::size_t r1) {
+    constexpr int R = NT == 1 ? 8 : 4;  // 8 x 1 or 4 x 4 sums, R weights, 1 input: at most 21 registers
+    std::size_t r = r0;
+    for (; r1 - r >= std::size_t(R); r += R) bf16_block_avx512<R, NT>(y + r, ldy, x, w + r * cols, cols);
+    for (; r < r1; ++r) bf16_block_avx512<1, NT>(y + r, ldy, x, w + r * cols, cols);
 }
 
 // g++ otherwise folds every use of a loaded register back into a memory operand (loading each weight
@@ -80,11 +123,12 @@ KIMIK3_TARGET_AVX512 inline __m512 keep_in_register(__m512 v) {
 
 // The inner loop of 4.3's tiles on AVX-512: NR rows x NT tokens, one register per sum, n columns.
 // sums: (row, token) at sums + (row * sums_t + token) * 16; tile (NR, kPanel); x (NT, x_stride).
-// Its plan is the one measured when it was written (no AVX-512 machine measured the defaults of
-// TilePlan): one group of 4 rows per panel of x, panels of kPanel columns, 4 tokens at a time, then 2, 1.
-struct Avx512Panel : TilePlan<4, 4> {  // 16 sums + 4 weights + 1 input of 32 registers
+// Its plan, measured on a Zen 4 (MXFP4 w1, 1 thread): one group of 4 rows per panel of x (blocks of 8,
+// 16 or 32 rows were no faster: the x panel comes from L2 fast enough), panels of kPanel columns, token
+// groups of at most 5 as even as possible (TilePlan's rule: 5 tokens make one group, not 4 + 1, which
+// saved 0.15-0.3 ms of 2.0-2.4 at T = 5; groups of 6, 24 sums in 29 of the registers, gained nothing).
+struct Avx512Panel : TilePlan<4, 5> {  // 20 sums + 4 weights + 1 input of 32 registers
     static constexpr int kBlockRows = kRows;
-    static constexpr int group(std::size_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
     static constexpr std::size_t panel_cols(std::size_t) { return kPanel; }
     template <int NR, int NT>
     KIMIK3_TARGET_AVX512 static void run(float* sums, std::size_t sums_t, const float* tile, const float* x, std::size_t x_stride, std::size_t n) {
@@ -102,78 +146,46 @@ struct Avx512Panel : TilePlan<4, 4> {  // 16 sums + 4 weights + 1 input of 32 re
         KIMIK3_UNROLL for (int r = 0; r < NR; ++r)
             KIMIK3_UNROLL for (int t = 0; t < NT; ++t) _mm512_storeu_ps(sums + (std::size_t(r) * sums_t + std::size_t(t)) * kLanes, acc[r][t]);
     }
+    // 4.3's end of a block of rows with the tree in registers (hsum16_avx512): position p of a stored sum
+    // holds logical lane lane[p], so one vpermps by the inverse puts the sum in logical order.
+    template <class Tail>
+    KIMIK3_TARGET_AVX512 static void finish(float* y, std::size_t ldy, const float* sums, std::size_t tokens, std::size_t rb, std::size_t re,
+                                            std::size_t full, std::size_t cols, const int (&lane)[kLanes], Tail& tail) {
+        if (full != cols) return TilePlan::finish(y, ldy, sums, tokens, rb, re, full, cols, lane, tail);
+        alignas(64) int at[kLanes];  // at[l]: the position that holds logical lane l
+        for (int p = 0; p < kLanes; ++p) at[lane[p]] = p;
+        const __m512i order = _mm512_load_si512(at);
+        for (std::size_t r = rb; r < re; ++r)
+            for (std::size_t t = 0; t < tokens; ++t)
+                y[t * ldy + r] = hsum16_avx512(_mm512_permutexvar_ps(order, _mm512_loadu_ps(sums + ((r - rb) * tokens + t) * kLanes)));
+    }
 };
 
-// T tokens: one row at a time, 8 tokens per read of the row (then the rest together). Measured against
-// 4.3's tiles on the Zen 5 guest (q_proj 12288 x 7168, 1 thread, thread CPU time, 9 calls): T = 2
-// 11.2 ms against 16.9, T = 16 38.8 against 44.9: a bf16 row needs no decode worth keeping, and the
-// tiles' extra pass through L1 costs more than re-reading x from L2.
-// One 16-column chunk at column c for R rows x NT tokens.
-template <int R, int NT>
-KIMIK3_TARGET_AVX512 inline void bf16_chunk_avx512(__m512 (&acc)[R][NT], const float* x, std::size_t x_stride, const bf16* w,
-                                                   std::size_t cols, std::size_t c) {
-    __m512 wv[R];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + std::size_t(r) * cols + c));
-        wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // exact bf16 -> f32
-    }
-    KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-        const __m512 xv = _mm512_loadu_ps(x + std::size_t(t) * x_stride + c);
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(wv[r], xv));
-    }
-}
-
-template <int R, int NT>
-KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t y_stride, const float* x, std::size_t x_stride, const bf16* w,
-                                                   std::size_t cols) {  // y (NT, stride) at row 0, x (NT, in), w (R, in)
-    __m512 acc[R][NT];
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-    const std::size_t full = full_chunks(cols);
-    std::size_t c = 0;
-    for (; c + 2 * kLanes <= full; c += 2 * kLanes) {  // a 64-byte line of each row: ask for the line 2 kB ahead too
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + std::size_t(r) * cols + c) + kPrefetchBytes, _MM_HINT_T0);
-        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
-        bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c + kLanes);
-    }
-    if (c < full) bf16_chunk_avx512<R, NT>(acc, x, x_stride, w, cols, c);
-    KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-            float lanes[kLanes];
-            _mm512_storeu_ps(lanes, acc[r][t]);
-            const bf16* wr = w + std::size_t(r) * cols;
-            const float* xt = x + std::size_t(t) * x_stride;
-            y[std::size_t(t) * y_stride + std::size_t(r)] =
-                finish_tail(lanes, full, cols, [&](std::size_t i) { return bf16_to_f32(wr[i]) * xt[i]; });
-        }
-}
-
-// One row for every token: 8 at a time, then the rest together.
-KIMIK3_TARGET_AVX512 inline void bf16_tokens_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
-                                                    std::size_t cols) {
-    std::size_t t = 0;
-    for (; tokens - t >= 8; t += 8) bf16_block_avx512<1, 8>(y + t * ldy, ldy, x + t * cols, cols, w, cols);
-    switch (tokens - t) {
-        case 7: bf16_block_avx512<1, 7>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 6: bf16_block_avx512<1, 6>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 5: bf16_block_avx512<1, 5>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 4: bf16_block_avx512<1, 4>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 3: bf16_block_avx512<1, 3>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 2: bf16_block_avx512<1, 2>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        case 1: bf16_block_avx512<1, 1>(y + t * ldy, ldy, x + t * cols, cols, w, cols); break;
-        default: break;
-    }
-}
-
+// Past 4 tokens: 4.3's tiles, the rows widened once into the tile (natural order), every token group
+// multiplying it by its panel of x in L1, and the tree in registers (finish above). The plan this
+// replaced, one row for 8 tokens at a time (measured best on a Zen 5 guest), read 8 tokens' x (229 kB
+// at q_proj's width) from L2 for every row, and on a Zen 4 that bound it: q_proj, 1 thread, T = 16 took
+// 68 ms streamed and 3.4 ms for 576 rows in cache against 42-48 and 1.8-2.2 ms with the tiles, and
+// T = 2 and 4 (registers, above) 19.6 and 24.9 ms against 12.0-12.3 and 16.3-17.2 (thread CPU time).
 KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
                                                    std::size_t cols, std::size_t r0, std::size_t r1) {
-    std::size_t r = r0;
-    if (tokens == 1) {
-        for (; r1 - r >= 4; r += 4) bf16_rows_avx512<4>(y + r, x, w + r * cols, cols);
-        for (; r < r1; ++r) bf16_rows_avx512<1>(y + r, x, w + r * cols, cols);
-        return;
+    switch (tokens) {
+        case 1: return bf16_few_tokens_avx512<1>(y, ldy, x, w, cols, r0, r1);
+        case 2: return bf16_few_tokens_avx512<2>(y, ldy, x, w, cols, r0, r1);
+        case 3: return bf16_few_tokens_avx512<3>(y, ldy, x, w, cols, r0, r1);
+        case 4: return bf16_few_tokens_avx512<4>(y, ldy, x, w, cols, r0, r1);
+        default: break;
     }
-    for (; r < r1; ++r) bf16_tokens_avx512(y + r, ldy, x, w + r * cols, tokens, cols);
+    auto decode = [&](float* tile, std::size_t rt, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX512 {  // widen, natural order
+        for (int i = 0; i < nr; ++i) {
+            const bf16* row = w + (rt + std::size_t(i)) * cols;  // (locals: the stores below may alias anything)
+            float* out = tile + std::size_t(i) * kPanel;
+            prefetch_ahead(reinterpret_cast<const char*>(row + c0) + kPrefetchBytes, 2 * (c1 - c0));  // (past the row: the next rows)
+            for (std::size_t c = c0; c < c1; c += kLanes) _mm512_storeu_ps(out + (c - c0), widen_bf16_avx512(row + c));
+        }
+    };
+    auto tail = [&](std::size_t rt, std::size_t t, std::size_t i) { return bf16_to_f32(w[rt * cols + i]) * x[t * cols + i]; };
+    token_tiles<Avx512Panel>(y, ldy, x, tokens, r0, r1, cols, kNaturalLanes, decode, tail);
 }
 
 }  // namespace detail

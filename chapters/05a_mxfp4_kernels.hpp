@@ -249,15 +249,12 @@ KIMIK3_TARGET_AVX512 inline void mxfp4_rows_avx512(float* y, std::size_t ldy, co
             }
         }
     }
-    // back to logical order in the register (lane l comes from position 2l, or 2(l - 8) + 1), then the tree.
-    // (Permuting through memory instead made g++ keep every accumulator on the stack for the whole loop.)
+    // back to logical order in the register (lane l comes from position 2l, or 2(l - 8) + 1), then the tree,
+    // in registers too (chapter 04a's hsum16_avx512). (Permuting through memory instead made g++ keep every
+    // accumulator on the stack for the whole loop.)
     const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     KIMIK3_UNROLL for (int r = 0; r < R; ++r)
-        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) {
-            float lanes[kLanes];
-            _mm512_storeu_ps(lanes, _mm512_permutexvar_ps(order, acc[r][t]));
-            y[std::size_t(t) * ldy + std::size_t(r)] = hsum16(lanes);
-        }
+        KIMIK3_UNROLL for (int t = 0; t < NT; ++t) y[std::size_t(t) * ldy + std::size_t(r)] = hsum16_avx512(_mm512_permutexvar_ps(order, acc[r][t]));
 }
 
 // Rows [r0, r1) for NT = 1..4 tokens: R1 rows at a time (one token only), then four, then one.

@@ -2,6 +2,7 @@
 #include "../chapters/04_matvec_bf16.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "fixture.hpp"
 
@@ -114,6 +115,38 @@ TEST_CASE("4.3 T tokens, one read: every token's row is its own matvec's, T = 1.
             }
     set_threads(threads_before);
     CHECK(cases == 42);
+}
+
+namespace {
+// 4a.1's tree in registers, on 16 lanes from memory; 0 where this build has no AVX-512 kernels (never called there).
+#if KIMIK3_X86_KERNELS
+KIMIK3_AVX512_BEGIN
+KIMIK3_TARGET_AVX512 float hsum16_in_registers(const float* a) { return detail::hsum16_avx512(_mm512_loadu_ps(a)); }
+KIMIK3_AVX512_END
+#else
+float hsum16_in_registers(const float*) { return 0.0f; }
+#endif
+}  // namespace
+
+TEST_CASE("4a.1 the tree in AVX-512 registers adds chapter 00's pairs in chapter 00's order (hsum16's bits)") {
+    if (!KIMIK3_X86_KERNELS || !cpu_has(Isa::avx512)) return test::skip("hsum16_avx512", "this machine runs no AVX-512 kernels");
+    test::Rng rng(45);
+    int order_matters = 0;  // lanes whose left-to-right sum differs from the tree: the test can tell trees apart
+    for (int c = 0; c < 20000; ++c) {
+        float a[kLanes];
+        for (float& v : a) v = std::ldexp(rng.floats(1, -1.0f, 1.0f)[0], int(rng.bits() % 60) - 30);  // wide exponents
+        if (c % 7 == 0) a[rng.bits() % 16] = -0.0f;
+        if (c % 11 == 0) for (float& v : a) v = (rng.bits() % 2) ? 0.0f : -0.0f;  // signed zeros only
+        if (c % 13 == 0) a[rng.bits() % 16] = 3e38f, a[rng.bits() % 16] = 3e38f;  // an overflow to inf
+        if (c % 17 == 0) a[rng.bits() % 16] = INFINITY, a[rng.bits() % 16] = -INFINITY;  // NaN
+        const float want = hsum16(a), got = hsum16_in_registers(a);
+        float seq = 0.0f;
+        for (float v : a) seq += v;
+        order_matters += std::bit_cast<std::uint32_t>(seq) != std::bit_cast<std::uint32_t>(want);
+        if (std::isnan(want)) REQUIRE(std::isnan(got));
+        else REQUIRE(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));
+    }
+    CHECK(order_matters > 1000);
 }
 
 TEST_CASE("4.3 one thread and two threads give the same bits") {
