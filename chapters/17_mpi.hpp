@@ -82,7 +82,12 @@
 // FAULTS
 //   A rank whose model fails to load (a missing shard, a refused budget) or whose step throws prints
 //   "kimik3-mpi: rank R of N: <cause>" and calls MPI_Abort, which ends every rank: non-zero exit, no
-//   collective left waiting. A rank that dies (a signal) is seen by mpirun, which ends the others.
+//   collective left waiting. A rank that dies (a signal) is seen by mpirun, which ends the others. A
+//   rank that stays alive but stops (a hung disk, a stopped process) would leave the others waiting in
+//   their next gather forever; a watchdog thread on every rank ends it instead: when a gather has waited
+//   longer than KIMIK3_MPI_TIMEOUT seconds (default 600, 0: never), the waiting rank names itself and
+//   exits non-zero, and mpirun ends the job. A gather is a few milliseconds of waiting when every rank is
+//   well; ten minutes is far beyond any layer's reads at K3's floor.
 //
 // SOURCES  Megatron-LM (Shoeybi et al., arXiv:1909.08053): row/column tensor parallelism; GShard
 //          (Lepikhin et al., arXiv:2006.16668): expert parallelism; Thakur, Rabenseifner, Gropp,
@@ -104,9 +109,12 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "13_model.hpp"
@@ -134,14 +142,22 @@ inline int mpi_count(std::size_t n) {
     return int(n);
 }
 
+// When the gather under way began (steady-clock nanoseconds; 0: none), for the watchdog (17.4).
+inline std::atomic<std::int64_t>& gather_since() {
+    static std::atomic<std::int64_t> since{0};
+    return since;
+}
+
 // Every rank sends `mine` (its part, in its order); every rank receives all parts, rank by rank, into `all`.
 inline void allgather_parts(MpiStats& st, const std::vector<float>& mine, const std::vector<int>& counts, std::vector<float>& all) {
     const auto t0 = std::chrono::steady_clock::now();
+    gather_since() = std::max<std::int64_t>(1, t0.time_since_epoch().count());
     std::vector<int> displs(counts.size(), 0);
     std::size_t total = 0;
     for (std::size_t r = 0; r < counts.size(); ++r) displs[r] = mpi_count(total), total += std::size_t(counts[r]);
     all.resize(total);
     MPI_Allgatherv(mine.data(), int(mine.size()), MPI_FLOAT, all.data(), counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD);
+    gather_since() = 0;
     st.collectives += 1, st.floats_gathered += total, st.floats_received += total - mine.size();
     st.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -153,7 +169,7 @@ inline void allgather_parts(MpiStats& st, const std::vector<float>& mine, const 
 // The rank computes rows [b, e) of y for every token into mine (T, e - b), with the kernel the engine
 // chose (mm), from W resident or streamed; the gather brings every rank's (T, rows) block; y is then
 // filled block by block. Streamed, the rank reads its rows alone (chapter 12's MatrixStream reads a row
-// range by itself), whatever the plan pinned (pinning only the share is 17's open item, see the README).
+// range by itself); pinned, it holds only those rows (chapter 13's process_rows).
 class MpiRowSplit : public RowSplit {
   public:
     MpiRowSplit(int rank, int ranks) : rank_(rank), ranks_(ranks) {}
@@ -244,8 +260,13 @@ class MpiJob {
         experts_ = std::make_unique<MpiExpertSplit>(rank_, ranks_);
         row_split() = rows_.get();
         expert_split() = experts_.get();
+        const char* t = std::getenv("KIMIK3_MPI_TIMEOUT");
+        const double timeout = t ? std::atof(t) : 600.0;
+        if (timeout > 0) watchdog_ = std::thread([this, timeout] { watch(timeout); });
     }
     ~MpiJob() {
+        stop_ = true;
+        if (watchdog_.joinable()) watchdog_.join();
         row_split() = nullptr, expert_split() = nullptr;
         MPI_Finalize();
     }
@@ -286,9 +307,30 @@ class MpiJob {
     }
 
   private:
+    // The watchdog (see FAULTS): it calls no MPI (only the main thread may, MPI_THREAD_FUNNELED); it
+    // writes its line and leaves with _exit, and mpirun, seeing a rank gone, ends the others.
+    void watch(double timeout) const {
+        while (!stop_) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            const std::int64_t since = detail::gather_since();
+            const double waited = since ? std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch() -
+                                                                        std::chrono::steady_clock::duration(since)).count()
+                                        : 0.0;
+            if (waited > timeout) {
+                char line[256];
+                const int n = std::snprintf(line, sizeof line,
+                                            "kimik3-mpi: rank %d of %d: waited %.0f s in a gather for the other ranks (KIMIK3_MPI_TIMEOUT=%g): "
+                                            "a rank has stopped\n", rank_, ranks_, waited, timeout);
+                (void)!::write(err_fd_, line, std::size_t(std::max(0, n)));
+                std::_Exit(1);  // kimik3's exit code for a runtime failure
+            }
+        }
+    }
     int rank_ = 0, ranks_ = 1, err_fd_ = 2;
     std::unique_ptr<MpiRowSplit> rows_;
     std::unique_ptr<MpiExpertSplit> experts_;
+    std::atomic<bool> stop_{false};
+    std::thread watchdog_;
 };
 
 // ---------------------------------------------------------------------------------------------------

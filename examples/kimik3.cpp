@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
             case ErrorKind::runtime: return kExitRuntime;
         }
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "kimik3 %s: error: %s\n", cmd.c_str(), e.what());
+        std::fprintf(stderr, "kimik3 %s: error: %s\n", cmd.c_str(), describe_exception(e).c_str());
     }
     return kExitRuntime;
 }

@@ -8,9 +8,12 @@
 // A separate program (make build/g++/kimik3-mpi, built with mpicxx) so that kimik3 itself needs no MPI.
 // Ranks other than 0 write nothing to stdout or stderr, except the one line that names a fault.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -107,6 +110,21 @@ int plan(const std::string& model, const std::string& config_path, int ranks, co
     return kExitOk;
 }
 
+// For tests only: KIMIK3_TEST_MEMORY_MB=N lets this process's address space grow by N MB past what it has
+// once MPI is up (RLIMIT_AS), so that a rank runs out of memory while the model loads, the same way on
+// any machine, to check that the job ends naming the rank and the cause.
+void test_memory_limit() {
+    const char* mb = std::getenv("KIMIK3_TEST_MEMORY_MB");
+    if (!mb) return;
+    std::ifstream status("/proc/self/status");
+    std::uint64_t kb = 0;
+    for (std::string line; std::getline(status, line);)
+        if (line.rfind("VmSize:", 0) == 0) kb = std::strtoull(line.c_str() + 7, nullptr, 10);
+    const rlim_t limit = rlim_t(kb * 1024 + std::strtoull(mb, nullptr, 10) * 1024 * 1024);
+    const rlimit r{limit, limit};
+    setrlimit(RLIMIT_AS, &r);
+}
+
 int exit_code(const Error& e) {
     switch (e.kind) {
         case ErrorKind::usage:
@@ -148,6 +166,7 @@ int main(int argc, char** argv) {
     const std::string command = args[0];
     args.erase(args.begin());
     MpiJob job(&argc, &argv);
+    test_memory_limit();
     if (job.rank() != 0) {  // rank 0 alone prints and writes files; a fault still reaches the terminal (MpiJob::abort)
         for (const char* file : {"--dump-logits", "--trace-experts", "--out"})
             for (std::size_t i = 0; i + 1 < args.size(); ++i)
@@ -171,7 +190,7 @@ int main(int argc, char** argv) {
     } catch (const Error& e) {
         job.abort(command + ": error: " + e.what(), exit_code(e));
     } catch (const std::exception& e) {
-        job.abort(command + ": error: " + e.what(), kExitRuntime);
+        job.abort(command + ": error: " + describe_exception(e), kExitRuntime);
     }
     if (std::getenv("KIMIK3_MPI_STATS")) {
         const MpiStats st = job.stats();

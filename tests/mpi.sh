@@ -93,6 +93,10 @@ expect "a rank without its shard ends the job, naming rank and file" nonzero "ra
     timeout 60 $mpirun -np 1 "$mpi_bin" run "$model" "${args[@]}" : -np 1 "$mpi_bin" run "$tmp/broken" "${args[@]}"
 expect "a rank whose read fails ends the job, naming rank and cause" nonzero "rank 1 of 2: .*read" \
     timeout 60 $mpirun -np 1 "$mpi_bin" run "$model" "${args[@]}" --budget 40M : -np 1 env KIMIK3_TEST_FAIL_READS_AFTER=40 "$mpi_bin" run "$model" "${args[@]}" --budget 40M
+expect "a rank whose disk hangs ends the job: the other rank's watchdog names itself (KIMIK3_MPI_TIMEOUT=5)" nonzero "rank 0 of 2: waited [0-9]+ s in a gather" \
+    timeout 90 $mpirun -x KIMIK3_MPI_TIMEOUT=5 -np 1 "$mpi_bin" run "$model" "${args[@]}" --budget 40M : -np 1 env KIMIK3_TEST_STALL_READS_AFTER=40 "$mpi_bin" run "$model" "${args[@]}" --budget 40M
+expect "a rank that runs out of memory ends the job, naming rank and cause" nonzero "rank 1 of 2: .*out of memory" \
+    timeout 60 $mpirun -np 1 "$mpi_bin" run "$model" "${args[@]}" : -np 1 env KIMIK3_TEST_MEMORY_MB=4 "$mpi_bin" run "$model" "${args[@]}"
 expect "a rank killed by a signal ends the job" nonzero "" \
     timeout 60 $mpirun -np 1 "$mpi_bin" run "$model" "${args[@]}" : -np 1 sh -c 'kill -9 $$'
 expect "kimik3-mpi cost: the full K3 on 8 machines of 24 GB over 10 GbE under 2 s per token" 0 "" \

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <new>
 #include <vector>
 
 #include "../../kimik3.hpp"
@@ -28,6 +30,15 @@ constexpr int kExitRead = 4;     // a weight read failed: no tokens are printed 
 struct Usage : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
+
+// What a program prints for an exception that is not one of ours: what ran out, when something did (a
+// thread that cannot start says only "Resource temporarily unavailable").
+inline std::string describe_exception(const std::exception& e) {
+    if (dynamic_cast<const std::bad_alloc*>(&e)) return std::string("out of memory (") + e.what() + ")";
+    if (const auto* se = dynamic_cast<const std::system_error*>(&e); se && se->code() == std::errc::resource_unavailable_try_again)
+        return std::string("a thread could not start: ") + e.what() + " (out of memory, or the limit on processes)";
+    return e.what();
+}
 
 inline bool wants_help(const std::vector<std::string>& args) {
     for (const std::string& a : args)

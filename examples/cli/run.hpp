@@ -327,9 +327,18 @@ inline void report_run(Model& model, const RunArgs& a, const std::optional<Token
     }
 }
 
+// KIMIK3_TEST_STALL_READS_AFTER=N: every weight read after the first N never returns (a hung disk), to check
+// that kimik3-mpi's watchdog ends the job.
+inline ssize_t stalling_pread(int fd, void* buf, std::size_t n, off_t off) {
+    if (g_reads_left.fetch_sub(1) <= 0)
+        for (;;) ::pause();
+    return ::pread(fd, buf, n, off);
+}
+
 inline int cmd_run(std::vector<std::string> args) {
     if (wants_help(args)) return std::fputs(kRunUsage, stdout), kExitOk;
     if (const char* n = std::getenv("KIMIK3_TEST_FAIL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = failing_pread;
+    if (const char* n = std::getenv("KIMIK3_TEST_STALL_READS_AFTER")) g_reads_left = std::atol(n), detail::pread_hook = stalling_pread;
     const RunArgs a = parse_run(std::move(args));
     const std::string &dir = a.dir, &ids_arg = a.ids, &trunk = a.model.trunk, &dump = a.dump;
     const bool recompute = a.recompute, no_direct = !a.model.direct, quiet = a.quiet;
