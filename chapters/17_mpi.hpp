@@ -43,6 +43,17 @@
 //     4            123              24,264                 18,216 (73 kB)        0.226            0.230
 //   123 = mpi_traffic(little-k3) exactly (the test checks it). The little K3 computes a token in 7 ms,
 //   so only the messages show here; per-token speed-up needs a model whose reads dominate (the cost model).
+//   The K3-shaped checkpoint (kimik3 synth: K3's widths, 4 layers, 64 experts per MoE layer, 13.75 GB),
+//   every rank at its floor, reading its rows from the one shared disk (--gen 3 minus --gen 1, over 2):
+//   ranks   collectives/token   floats gathered/token   received by rank 0   read per rank/token   s/token
+//     1             54              747,936 (2.99 MB)           0                  8.90 GB           5.17
+//     2             54              747,936                363,216 (1.45 MB)       4.53 GB           4.93
+//     3             54              747,936                498,633 (1.99 MB)       3.01 GB           5.72
+//     4             54              747,936                553,784 (2.22 MB)       2.30 GB           5.12
+//   54 gathers and 2.99 MB are what mpi_traffic and `kimik3-mpi plan` give for it. Each rank reads 1/N of
+//   the bytes, but here the N ranks share one disk, so a token still waits for all 8.9 GB of it (rank 0
+//   spends 1.3-2.4 s per token in MPI, waiting for the others' reads); with a disk per machine the read
+//   time divides by N, which is what the cost model below assumes.
 //
 // COST MODEL (mpi_cost, `kimik3-mpi cost`: full K3, N machines of 24 GB, each pinning 1/N of the rows of
 //   the 111.2 GB trunk + lm_head and caching what else fits of its 1/N of the 1,446.5 GB of experts;
