@@ -139,6 +139,7 @@ struct Plan {
 // The bytes of a layer's (or the lm_head's) matrices, and of its small tensors.
 struct UnitBytes {
     std::vector<std::uint64_t> layer_matrix, layer_small;  // per layer
+    std::vector<std::uint64_t> layer_reread;               // per layer: what a step reads twice when streamed (MLA's kv_b_proj)
     std::uint64_t lm_head = 0, largest_row = 0;            // largest_row: the widest matrix row (one chunk must hold it)
     std::uint64_t largest_matrix = 0, experts = 0;         // no piece exceeds largest_matrix; experts: cacheable (0: all)
 };
@@ -174,8 +175,13 @@ inline UnitBytes unit_bytes(const Config& c) {
     UnitBytes u;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         std::uint64_t mat = 0, small = 0;
-        for (const Expected& e : expected_layer_tensors(c, l)) detail::add_unit_tensor(u, mat, small, e.dtypes[0], e.shape, std::uint64_t(e.shape[0]));
+        std::uint64_t reread = 0;
+        for (const Expected& e : expected_layer_tensors(c, l)) {
+            detail::add_unit_tensor(u, mat, small, e.dtypes[0], e.shape, std::uint64_t(e.shape[0]));
+            if (e.member == &LayerTensors::kv_b_proj) reread += std::uint64_t(e.shape.numel()) * dtype_size(e.dtypes[0]);
+        }
         u.layer_matrix.push_back(mat);
+        u.layer_reread.push_back(reread);
         u.layer_small.push_back(small);
     }
     detail::add_lm_head(u, std::uint64_t(c.vocab_size) * std::uint64_t(c.hidden_size) * 2, std::uint64_t(c.hidden_size) * 2);
@@ -285,7 +291,7 @@ inline Plan make_plan(const Config& c, const Census& s, std::uint64_t budget, co
     if (!streams) p.ring_slots = 0, p.ring_bytes = 0;
     // bytes read per token: unpinned matrices, the embedding row, the experts that miss (worst case: all)
     for (std::size_t l = 0; l < u.layer_matrix.size(); ++l)
-        if (!p.pinned[l]) p.trunk_read_per_token += u.layer_matrix[l];
+        if (!p.pinned[l]) p.trunk_read_per_token += u.layer_matrix[l] + (l < u.layer_reread.size() ? u.layer_reread[l] : 0);
     if (!p.lm_head_pinned) p.trunk_read_per_token += u.lm_head;
     if (!p.embed_resident) p.trunk_read_per_token += s.embed_bytes / std::uint64_t(c.vocab_size);
     p.expert_read_per_token = std::uint64_t(c.moe_layer_count()) * std::uint64_t(c.num_experts_per_token) * s.expert_bytes;

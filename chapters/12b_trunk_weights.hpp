@@ -77,6 +77,7 @@ inline UnitBytes unit_bytes(const ModelTensors& m, const RowsOf& rows_of = {}) {
         std::uint64_t mat = 0, small = 0;
         for (const Checkpoint::Ref* r : lt.all) detail::add_unit_tensor(u, mat, small, r->info->dtype, r->info->shape, is_streamable_matrix(*r->info) ? held(r) : 0);
         u.layer_matrix.push_back(mat);
+        u.layer_reread.push_back(lt.kv_b_proj ? lt.kv_b_proj->info->nbytes() : 0);  // the absorbed MLA reads it twice (chapter 08)
         u.layer_small.push_back(small);
     }
     const TensorInfo& head = *m.lm_head->info;

@@ -468,6 +468,7 @@ inline void add_rank_tensor(std::vector<RankShare>& out, int l, DType dtype, con
         const Share sh = split ? rank_share(rows, k, ranks) : Share{0, rows};
         const std::uint64_t bytes = (sh.end - sh.begin) * row_bytes;
         (l < 0 ? r.units.lm_head : r.units.layer_matrix[std::size_t(l)]) += bytes;
+        if (!split && l >= 0) r.units.layer_reread[std::size_t(l)] += bytes;  // kv_b_proj: two passes per step
         r.trunk += bytes;
         r.units.largest_row = std::max(r.units.largest_row, row_bytes);
         r.units.largest_matrix = std::max(r.units.largest_matrix, bytes);
@@ -490,7 +491,7 @@ inline void add_rank_experts(std::vector<RankShare>& out, const std::vector<std:
 inline std::vector<RankShare> empty_shares(std::size_t layers, int ranks) {
     if (ranks < 1) fail(ErrorKind::usage, "ranks: at least 1 (got " + std::to_string(ranks) + ")");
     std::vector<RankShare> out(static_cast<std::size_t>(ranks));
-    for (RankShare& r : out) r.units.layer_matrix.assign(layers, 0), r.units.layer_small.assign(layers, 0);
+    for (RankShare& r : out) r.units.layer_matrix.assign(layers, 0), r.units.layer_small.assign(layers, 0), r.units.layer_reread.assign(layers, 0);
     return out;
 }
 }  // namespace detail

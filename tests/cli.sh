@@ -167,9 +167,9 @@ if [ -z "$KIMIK3_SANITIZED" ]; then
 fi
 expect "plan: below the floor exits 3" 3 "below the floor of" "$bin" plan --config fixtures/k3-release/config.json --budget 500M
 expect "plan: --max-batch 8 plans eight carried states and caches" 0 "batch: +8 conversations, carried state 46[0-9.]+ MB \+ MLA cache" "$bin" plan --config fixtures/k3-release/config.json --preset laptop --max-batch 8
-# K3 at its floor, 8 decoding together: one trunk read (111.11 GB) and the union of 8 x 16 picks of 896 experts
-# per layer, 896 (1 - (1 - 16/896)^8) = 120.5 of them at 17.55 MB over 92 layers = 194.2 GB: 38.16 GB per token
-expect "plan: --max-batch 8 at K3's floor: a step's reads and 0.279 of one conversation's per token" 0 "reads trunk 111.11 GB \+ experts up to 194.1[0-9] GB .*38.16 GB per generated.*0\.279 of one" sh -c "\"$bin\" plan --config fixtures/k3-release/config.json --budget floor --max-batch 8 | tr '\n' ' '"
+# K3 at its floor, 8 decoding together: one trunk read (111.71 GB) and the union of 8 x 16 picks of 896 experts
+# per layer, 896 (1 - (1 - 16/896)^8) = 120.5 of them at 17.55 MB over 92 layers = 194.2 GB: 38.24 GB per token
+expect "plan: --max-batch 8 at K3's floor: a step's reads and 0.278 of one conversation's per token" 0 "reads trunk 111.71 GB \+ experts up to 194.1[0-9] GB .*38.24 GB per generated.*0\.278 of one" sh -c "\"$bin\" plan --config fixtures/k3-release/config.json --budget floor --max-batch 8 | tr '\n' ' '"
 expect "plan: --max-batch below its floor exits 3 with the per-conversation sizes" 3 "and 8 conversations \(carried state" "$bin" plan --config fixtures/k3-release/config.json --budget 2G --max-batch 8
 expect "plan: --max-batch 0 is refused" 2 "at least 1 conversation" "$bin" plan --config fixtures/k3-release/config.json --preset laptop --max-batch 0
 expect "plan: needs a budget" 2 "one of --budget or --preset" "$bin" plan fixtures/tiny-k3

@@ -9,6 +9,7 @@
 // (f) streamed, a rank reads only its rows of every split matrix; (g) it plans and pins its share alone.
 // Rank 0 prints "kimik3-tests: mpi-N-ranks-tT P passed, F failed" (tests/run.sh reads it).
 #include <cmath>
+#include <numeric>
 #include <cstdio>
 #include <fstream>
 
@@ -81,7 +82,8 @@ void plan_gates(int rank, const Model& m, const std::string& rel) {
             const double split = double(sh.trunk) - double(kv_b) - double(trunk - kv_b) / n;  // its rows, less 1/N of them
             check(std::abs(split) <= double(matrices * row_max), rank, at + "trunk share " + std::to_string(sh.trunk) + " is not 1/N of " + std::to_string(trunk));
             check(f.floor <= floor1 &&
-                      f.pinned_layers() == 0 && !f.lm_head_pinned && f.trunk_read_per_token == sh.trunk + m.census.embed_bytes / std::uint64_t(c.vocab_size),
+                      f.pinned_layers() == 0 && !f.lm_head_pinned && f.trunk_read_per_token == sh.trunk + std::accumulate(sh.units.layer_reread.begin(), sh.units.layer_reread.end(), std::uint64_t(0)) +
+                                                                                       m.census.embed_bytes / std::uint64_t(c.vocab_size),
                   rank, at + "at its floor it streams its share, and the floor is below one process's");
             check(all[std::size_t(r)].all_resident() && p.pinned_bytes == sh.trunk && p.expert_slots == sh.experts &&
                       p.total() - p.pinned_bytes - p.expert_bytes == all1.total() - all1.pinned_bytes - all1.expert_bytes,

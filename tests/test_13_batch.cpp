@@ -188,6 +188,26 @@ TEST_CASE("13.3 a step over several sessions reads the trunk once, however many 
     CAPTURE(four);
     CHECK(one > 8 * ring);
     CHECK(four <= one + 2 * ring);  // four sessions stepped apart would read 4x
+
+}
+
+TEST_CASE("13.3 at the floor a one-token step reads what the plan says a token reads (MLA's kv_b_proj twice)") {
+    const std::string dir = test::source_path("fixtures/little-k3");
+    Model m(dir, at_floor(dir));
+    Session s(m.config, 80);
+    std::vector<float> logits(std::size_t(m.config.vocab_size));
+    const std::uint64_t before = m.trunk().ring_stats().bytes;  // a fresh model: nothing read ahead yet, or a ring's worth
+    const std::size_t steps = 64;
+    for (std::size_t i = 0; i < steps; ++i) {
+        const std::int64_t id = std::int64_t(5 + i);
+        forward(logits.data(), m, s, std::span(&id, 1));
+    }
+    const double read = double(m.trunk().ring_stats().bytes - before), ring = double(m.plan.ring_slots) * double(m.plan.chunk_bytes);
+    const double want = double(steps) * double(m.plan.trunk_read_per_token - m.census.embed_bytes / std::uint64_t(m.config.vocab_size));
+    CAPTURE(read);
+    CAPTURE(want);
+    CHECK(read >= want - ring);  // the reader may have run ahead of the first step, and runs ahead of the last
+    CHECK(read <= want + ring);  // 64 x kv_b_proj's 123 kB (counting it once) would fall 7.9 MB short: more than a ring
 }
 
 TEST_CASE("13.3 a step refuses two items on one session, an empty item, an empty step") {
