@@ -362,10 +362,12 @@ inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_
 //
 // Lanes: register i of the block covers columns 32b + 4i .. 4i+3, i.e. logical lanes (4i) % 16: the
 // natural order of the xsimd kernel (accumulator i % 4), so x is not permuted.
-// Instruction count (the disassembly of aarch64-linux-gnu-g++ 12 -O2, one token): the inner loop is 56
-// instructions per block of 32 weights (4 tbl, 6 zip, 8 shll/shll2, 16 fmul, 8 fadd, 7 loads, and the
-// rest): 1.75 per weight, against 229 instructions and 8 calls per block (7.2 per weight) for the xsimd
-// kernel of 5.5 on NEON. No ARM machine was available to time either: these are counts only.
+// Instruction count (the disassembly of aarch64-linux-gnu-g++ 12 -O2, one token): the inner loop is 54
+// instructions per block of 32 weights inlined into the kernel, 56 in this function compiled alone (4 tbl,
+// 6 zip, 8 shll/shll2, 16 fmul, 8 fadd, 7 loads, and the rest): 1.69-1.75 per weight, against about
+// 300 instructions executed per block (9.4 per weight, 17 calls: xsimd 8.1's bit casts are not inlined)
+// for the xsimd kernel of 5.5 on NEON. No ARM machine was available to time either: these are counts
+// only (the README's kernel section compares them with the x86-64 kernels').
 #if KIMIK3_NEON_KERNELS
 namespace detail {
 

@@ -4,15 +4,18 @@
 # machine, tests/main.cpp). A binary that dies without printing its count line (a crash, a sanitizer
 # abort) adds one failure named after it. A script that prints "P passed, F failed" without a skipped
 # count adds 0 skipped. KIMIK3_RUNNER, when set, is a command that runs each binary (make test-aarch64:
-# qemu-aarch64). Each binary's line says how long it ran. Usage: tests/run.sh BIN [BIN...]
+# qemu-aarch64). KIMIK3_TEST_ARGS, when set, is given to every binary as its arguments, split at spaces and
+# never globbed (make test-aarch64-ci: a doctest filter, -tc=...). Each binary's line says how long it ran.
+# Usage: tests/run.sh BIN [BIN...]
 set -u
+read -r -a test_args <<< "${KIMIK3_TEST_ARGS:-}"
 passed=0
 failed=0
 skipped=0
 for bin in "$@"; do
     name=$(basename "$bin")
     t0=$(date +%s.%N)
-    out=$(${KIMIK3_RUNNER:-} "$bin" 2>&1)
+    out=$(${KIMIK3_RUNNER:-} "$bin" "${test_args[@]}" 2>&1)
     rc=$?
     took=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", b - a }')
     printf '%s\n' "$out" | grep -v '^kimik3-tests: '
