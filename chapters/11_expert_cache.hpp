@@ -21,7 +21,7 @@
 //   token comes back to layer l, so LRU with fewer slots keeps nothing, and with balanced routing any
 //   policy finds about S / 82,432 of requests resident (887 slots, 15.6 GB: ~1.1%). It pays only where
 //   routing is skewed, so size it from a recorded trace first: appendix 11a works this out and replays it,
-//   and make run-11 replays a real trace of the trained little K3 (LRU gets about its share, within 2 points).
+//   and make run-11 replays a real trace of the trained little K3 (LRU gets about its share, a few points more).
 //
 // CONCEPTS
 //   slot          room for one whole expert: the largest aligned read of any expert, a multiple of 4096

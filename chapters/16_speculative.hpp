@@ -125,7 +125,7 @@ inline std::vector<std::int64_t> draft_from_context(std::span<const std::int64_t
 // is computed and the experts it routes to are read. So there is a second rule, `adapt`: a length that
 // follows the acceptance, between 1 and max_draft: max_draft first, doubled after a step whose drafts
 // were all kept, (accepted + 1) after a step that missed. Measured against always drafting max_draft
-// (kimik3-bench-speculate compare --length both, the little K3 at its floor, repetitive prompts, 2..4-
+// (kimik3-bench-speculate compare --length both, the first little K3 at its floor, repetitive prompts, 2..4-
 // grams, medians of 3): at N = 8 it raises acceptance from 62% to 72% but lowers tokens per step from
 // 1.63 to 1.57, so bytes per token rise (0.66x plain against 0.64x) and time is the same (0.72x against
 // 0.73x); at N = 32, 1.62 tokens per step against 1.74 and 0.64x the bytes against 0.60x. At the floor

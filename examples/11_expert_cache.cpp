@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
                     "   nothing: each expert is evicted before the next token asks for it again, as chapter 11's top\n"
                     "   block derives. From there LRU hits about its share, and so does the even draw: the trained\n"
                     "   router, balanced by its bias (make run-10), leaves little locality to use; the real order adds\n"
-                    "   a point or two over the shuffled one, and Belady's column bounds every policy.)\n",
+                    "   a few points over the shuffled one, and Belady's column bounds every policy.)\n",
                     all_experts, per_token);
 
         std::printf("\n11.6 what this says about K3, and what it does not\n");
