@@ -384,6 +384,8 @@ using Bf16Matmul = void (*)(float* y, const float* x, const bf16* w, std::size_t
                             std::size_t ldy);  // y (T, ldy), x (T, in), w (out, in)
 inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
                                std::size_t ldy = 0);  // 04a (x86-64 builds only)
+inline void matmul_bf16_avx512_zen5(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                                    std::size_t ldy = 0);  // 04a: prefetched for Zen 5
 inline void matmul_bf16_neon(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
                              std::size_t ldy = 0);  // 04a (arm64 builds only)
 inline constexpr Kernel<Bf16Matmul> kBf16Kernels[] = {
@@ -391,6 +393,7 @@ inline constexpr Kernel<Bf16Matmul> kBf16Kernels[] = {
     {"xsimd", Isa::xsimd, matmul_bf16_simd},
     {"neon", Isa::neon, KIMIK3_NEON_ONLY(matmul_bf16_neon)},
     {"avx512", Isa::avx512, KIMIK3_X86_ONLY(matmul_bf16_avx512)},
+    {"avx512_zen5", Isa::avx512, KIMIK3_X86_ONLY(matmul_bf16_avx512_zen5), cpu_is_zen5},  // the same bits, prefetched for AMD family 26
 };
 
 // The kernel matmul_bf16 runs, in this one place: the reference when asked (KIMIK3_SCALAR by default),

@@ -29,21 +29,41 @@ namespace kimik3 {
 // With 16 floats per register one 16-element chunk of a row is one register, so the even/odd split of
 // 4.2 is not needed: vpmovzxwd widens 16 bf16 (32 bytes) into 16 32-bit lanes and a shift by 16 makes
 // them f32, lane j = column j. One accumulator per (row, token) holds the 16 logical lanes as they are;
-// x is read unpermuted. One token: rows four at a time (four independent chains of additions, each load
-// of x shared). Up to 4 tokens: the same loop with 4 rows x T sums in registers, each chunk widened once.
+// x is read unpermuted. One token: rows 8 (or 16) at a time (independent chains of additions, each load
+// of x shared; the plan below). Up to 4 tokens: the same loop with 4 rows x T sums in registers, each chunk widened once.
 // More: 4.3's tiles (below). Every sum ends with hsum16's tree done in registers (hsum16_avx512).
 #if KIMIK3_X86_KERNELS
 KIMIK3_AVX512_BEGIN  // (g++ 12's false warnings on its own intrinsics: chapter 00's 0.9)
 namespace detail {
 
-// How far ahead of each row's reads the kernel asks for its lines, and into which cache. On the Xeon
-// that tuned it first, the hardware prefetcher alone left one thread at 0.90-0.92 of what it reaches
-// with a hint 2 kB ahead into L1 (0.5-8 kB measured). On a Zen 4 (2 cores shared with other work, q_proj,
-// medians of 4 alternating runs of the same-run read ratio) that hint with 4 rows gave 0.60-0.62 of the
-// read bandwidth; 8 rows with a hint 3 kB ahead into L2 (prefetcht1) 0.79 at 1 thread and 0.91 at 2.
-inline constexpr std::size_t kPrefetchBytes = 3072;
+// How one token streams the rows: how many rows at a time, how far ahead of each row's reads the kernel
+// asks for its lines, and into which cache. This is the one thing that differs between the two AVX-512
+// entries of 4.4's table (the bits never do). On the Xeon that tuned it first, the hardware prefetcher
+// alone left one thread at 0.90-0.92 of what it reaches with a hint 2 kB ahead into L1 (0.5-8 kB
+// measured). On a Zen 4 (2 cores shared with other work, q_proj, medians of 4 alternating runs of the
+// same-run read ratio) that hint with 4 rows gave 0.60-0.62 of the read bandwidth; 8 rows with a hint
+// 3 kB ahead into L2 (prefetcht1) 0.79 at 1 thread and 0.91 at 2. On a Zen 5 (AMD family 26, q_proj
+// streamed, 1 thread, load 0.8, medians of 7 alternations of kernel and a same-run read) the Zen 4's
+// plan ran at 0.86 of that read; into L1 (prefetcht0) it went faster the less it asked for in all,
+// rows x distance, up to about 8-16 kB (L1 is 48 kB there, and x takes 28 kB of it): 8 rows 2 kB ahead
+// 1.20x the Zen 4's plan, 16 rows 1 kB 1.31x, 16 rows 512 bytes 1.34x, 16 rows 2 kB 0.80x. Where x
+// fills L1 by itself (o_proj, 12288 columns: 48 kB) 16 rows lost (0.73x) and 8 rows 2 kB ahead into L1
+// gained 1.03-1.10x at 1 and 2 threads (1 kB into L2: 1.04-1.09x). So the Zen 5 kernel has two plans, by the
+// width of x: up to 8192 columns (32 kB) the narrow one, past that the wide one.
+struct Bf16Prefetch {
+    int rows;           // rows at a time for one token (independent chains; each load of x shared)
+    std::size_t bytes;  // how far ahead of the line being read
+    int hint;           // _MM_HINT_T0 (into L1) or _MM_HINT_T1 (into L2)
+};
+inline constexpr Bf16Prefetch kBf16PrefetchDefault{8, 3072, _MM_HINT_T1};     // matmul_bf16_avx512 (Intel, Zen 4)
+inline constexpr Bf16Prefetch kBf16PrefetchZen5{8, 2048, _MM_HINT_T0};        // matmul_bf16_avx512_zen5: the wide plan,
+inline constexpr Bf16Prefetch kBf16PrefetchZen5Narrow{16, 512, _MM_HINT_T0};  // the narrow one (one token, x of at most
+inline constexpr std::size_t kBf16NarrowCols = 8192;                           // this many columns)
 
-KIMIK3_TARGET_AVX512 inline void prefetch_row_avx512(const bf16* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1); }
+template <Bf16Prefetch P>
+KIMIK3_TARGET_AVX512 inline void prefetch_row_avx512(const bf16* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + P.bytes, static_cast<_mm_hint>(P.hint));
+}
 
 KIMIK3_TARGET_AVX512 inline __m512 widen_bf16_avx512(const bf16* p) {  // 16 bf16 -> 16 f32, exact
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -72,8 +92,8 @@ KIMIK3_TARGET_AVX512 inline float finish_avx512(__m512 acc, std::size_t full, st
 
 // R rows x NT tokens straight from the weights: each chunk of each row widened once, in registers,
 // for the NT tokens (R * NT sums, R weights and one input: 4 x 4 fills 21 of the 32 registers); each
-// 64-byte line of each row also asks for the line kPrefetchBytes ahead. y (NT, ldy) at row 0, x (NT, in), w (R, in).
-template <int R, int NT>
+// 64-byte line of each row also asks for the line P.bytes ahead. y (NT, ldy) at row 0, x (NT, in), w (R, in).
+template <int R, int NT, Bf16Prefetch P>
 KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t cols) {
     __m512 acc[R][NT];
     KIMIK3_UNROLL for (int r = 0; r < R; ++r)
@@ -89,7 +109,7 @@ KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t ldy, co
     };
     std::size_t c = 0;
     for (; c + 2 * kLanes <= full; c += 2 * kLanes) {
-        KIMIK3_UNROLL for (int r = 0; r < R; ++r) prefetch_row_avx512(w + std::size_t(r) * cols + c);
+        KIMIK3_UNROLL for (int r = 0; r < R; ++r) prefetch_row_avx512<P>(w + std::size_t(r) * cols + c);
         chunk(c);
         chunk(c + kLanes);
     }
@@ -102,15 +122,15 @@ KIMIK3_TARGET_AVX512 inline void bf16_block_avx512(float* y, std::size_t ldy, co
         }
 }
 
-// Rows [r0, r1) for NT = 1..4 tokens: eight rows at a time for one token, four for more (independent
-// chains of additions, each load of x shared by the rows, eight streams of weights in flight), then one.
-template <int NT>
+// Rows [r0, r1) for NT = 1..4 tokens: P.rows at a time for one token, four for more (independent
+// chains of additions, each load of x shared by the rows, that many streams of weights in flight), then one.
+template <int NT, Bf16Prefetch P>
 KIMIK3_TARGET_AVX512 inline void bf16_few_tokens_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t cols,
                                                         std::size_t r0, std::size_t r1) {
-    constexpr int R = NT == 1 ? 8 : 4;  // 8 x 1 or 4 x 4 sums, R weights, 1 input: at most 21 registers
+    constexpr int R = NT == 1 ? P.rows : 4;  // 8 or 16 x 1, or 4 x 4 sums, R weights, 1 input
     std::size_t r = r0;
-    for (; r1 - r >= std::size_t(R); r += R) bf16_block_avx512<R, NT>(y + r, ldy, x, w + r * cols, cols);
-    for (; r < r1; ++r) bf16_block_avx512<1, NT>(y + r, ldy, x, w + r * cols, cols);
+    for (; r1 - r >= std::size_t(R); r += R) bf16_block_avx512<R, NT, P>(y + r, ldy, x, w + r * cols, cols);
+    for (; r < r1; ++r) bf16_block_avx512<1, NT, P>(y + r, ldy, x, w + r * cols, cols);
 }
 
 // g++ otherwise folds every use of a loaded register back into a memory operand (loading each weight
@@ -167,20 +187,24 @@ struct Avx512Panel : TilePlan<4, 5> {  // 20 sums + 4 weights + 1 input of 32 re
 // at q_proj's width) from L2 for every row, and on a Zen 4 that bound it: q_proj, 1 thread, T = 16 took
 // 68 ms streamed and 3.4 ms for 576 rows in cache against 42-48 and 1.8-2.2 ms with the tiles, and
 // T = 2 and 4 (registers, above) 19.6 and 24.9 ms against 12.0-12.3 and 16.3-17.2 (thread CPU time).
+// P: the plan (above); PN: the plan for one token when x has at most kBf16NarrowCols columns.
+template <Bf16Prefetch P, Bf16Prefetch PN>
 KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, const float* x, const bf16* w, std::size_t tokens,
                                                    std::size_t cols, std::size_t r0, std::size_t r1) {
     switch (tokens) {
-        case 1: return bf16_few_tokens_avx512<1>(y, ldy, x, w, cols, r0, r1);
-        case 2: return bf16_few_tokens_avx512<2>(y, ldy, x, w, cols, r0, r1);
-        case 3: return bf16_few_tokens_avx512<3>(y, ldy, x, w, cols, r0, r1);
-        case 4: return bf16_few_tokens_avx512<4>(y, ldy, x, w, cols, r0, r1);
+        case 1:
+            if (cols <= kBf16NarrowCols) return bf16_few_tokens_avx512<1, PN>(y, ldy, x, w, cols, r0, r1);
+            return bf16_few_tokens_avx512<1, P>(y, ldy, x, w, cols, r0, r1);
+        case 2: return bf16_few_tokens_avx512<2, P>(y, ldy, x, w, cols, r0, r1);
+        case 3: return bf16_few_tokens_avx512<3, P>(y, ldy, x, w, cols, r0, r1);
+        case 4: return bf16_few_tokens_avx512<4, P>(y, ldy, x, w, cols, r0, r1);
         default: break;
     }
     auto decode = [&](float* tile, std::size_t rt, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX512 {  // widen, natural order
         for (int i = 0; i < nr; ++i) {
             const bf16* row = w + (rt + std::size_t(i)) * cols;  // (locals: the stores below may alias anything)
             float* out = tile + std::size_t(i) * kPanel;
-            prefetch_ahead(reinterpret_cast<const char*>(row + c0) + kPrefetchBytes, 2 * (c1 - c0));  // (past the row: the next rows)
+            prefetch_ahead(reinterpret_cast<const char*>(row + c0) + P.bytes, 2 * (c1 - c0));  // (past the row: the next rows)
             for (std::size_t c = c0; c < c1; c += kLanes) _mm512_storeu_ps(out + (c - c0), widen_bf16_avx512(row + c));
         }
     };
@@ -191,12 +215,27 @@ KIMIK3_TARGET_AVX512 inline void bf16_range_avx512(float* y, std::size_t ldy, co
 }  // namespace detail
 KIMIK3_AVX512_END
 
+namespace detail {
+template <Bf16Prefetch P, Bf16Prefetch PN>
+inline void matmul_bf16_avx512_with(const char* name, float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows,
+                                    std::size_t cols, std::size_t ldy) {
+    if (!cpu_has(Isa::avx512)) fail(ErrorKind::runtime, std::string(name) + ": this CPU has no AVX-512 (F, BW, DQ, VL)");
+    if (ldy == 0) ldy = rows;
+    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { bf16_range_avx512<P, PN>(y, ldy, x, w, tokens, cols, r0, r1); });
+}
+}  // namespace detail
+
 // Bit-identical to matmul_bf16_ref. Refused on a CPU without AVX-512 (the dispatcher never calls it there).
 inline void matmul_bf16_avx512(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
                                std::size_t ldy) {  // y (T, ldy), x (T, in), w (out, in)
-    if (!cpu_has(Isa::avx512)) fail(ErrorKind::runtime, "matmul_bf16_avx512: this CPU has no AVX-512 (F, BW, DQ, VL)");
-    if (ldy == 0) ldy = rows;
-    parallel_rows(rows, cols * tokens, [&](std::size_t r0, std::size_t r1) { detail::bf16_range_avx512(y, ldy, x, w, tokens, cols, r0, r1); });
+    detail::matmul_bf16_avx512_with<detail::kBf16PrefetchDefault, detail::kBf16PrefetchDefault>("matmul_bf16_avx512", y, x, w, tokens, rows, cols, ldy);
+}
+
+// The same kernel with the Zen 5's plans (above: into L1, and 16 rows at a time for one token when x is
+// at most 8192 columns): 4.4's table prefers it on AMD family 26.
+inline void matmul_bf16_avx512_zen5(float* y, const float* x, const bf16* w, std::size_t tokens, std::size_t rows, std::size_t cols,
+                                    std::size_t ldy) {  // y (T, ldy), x (T, in), w (out, in)
+    detail::matmul_bf16_avx512_with<detail::kBf16PrefetchZen5, detail::kBf16PrefetchZen5Narrow>("matmul_bf16_avx512_zen5", y, x, w, tokens, rows, cols, ldy);
 }
 #endif
 

@@ -65,6 +65,27 @@ TEST_CASE("4.3 every fast path is bit-identical to the reference for every shape
     CHECK(cases == 462);
 }
 
+TEST_CASE("4.3 every fast path is bit-identical to the reference on both sides of a plan's width switch (8192 columns)") {
+    // (the AVX-512 Zen 5 kernel streams one token 16 rows at a time up to 8192 columns, 8 past them)
+    test::Rng rng(43);
+    for (std::size_t cols : {8176u, 8192u, 8193u, 8208u})
+        for (std::size_t tokens : {1u, 2u}) {
+            const std::size_t rows = 37;  // 2 x 16 + 5 or 4 x 8 + 5: the many-row loop, then the 1-row one
+            auto w = rng.bf16s(rows * cols, -2.0f, 2.0f);
+            auto x = rng.floats(tokens * cols, -3.0f, 3.0f);
+            std::vector<float> a(tokens * rows), b(tokens * rows);
+            matmul_bf16_ref(a.data(), x.data(), w.data(), tokens, rows, cols);
+            for (const auto& path : fast_paths()) {
+                const char* name = path.name;
+                path.fn(b.data(), x.data(), w.data(), tokens, rows, cols, 0);
+                CAPTURE(name);
+                CAPTURE(cols);
+                CAPTURE(tokens);
+                CHECK_BITS_EQ(b, a);
+            }
+        }
+}
+
 TEST_CASE("4.3 T tokens at once give, row by row, exactly the bits of T single matvecs") {
     test::Rng rng(42);
     const std::size_t rows = 96, cols = 7168, tokens = 7;
@@ -184,6 +205,27 @@ TEST_CASE("4.4 matvec_bf16 agrees with the float64 reference within 1e-6 relativ
     std::vector<float> y(3 * 48);
     matmul_bf16(y.data(), x.data(), view_as<bf16>(w, DType::BF16).data, 3, 48, 64);
     CHECK_REL_WITHIN(y, want, 1e-6);
+}
+
+TEST_CASE("4.4 the dispatcher names the bf16 kernel it runs: the Zen 5 prefetch on AMD family 26, never a kernel this CPU lacks") {
+    const Kernel<Bf16Matmul>& k = bf16_kernel();
+    CHECK(std::string(bf16_kernel_name()) == k.name);
+    if (!use_simd) CHECK(std::string(k.name) == "reference");
+    else {
+        CHECK((k.fn != nullptr));
+        CHECK(isa_enabled(k.isa));
+    }
+    const bool zen5_choice = use_simd && isa_enabled(Isa::avx512) && cpu_amd_family() == 26;
+    CHECK((std::string(k.name) == "avx512_zen5") == zen5_choice);
+    if (use_simd && isa_enabled(Isa::avx512) && !zen5_choice) CHECK(std::string(k.name) == "avx512");
+    // A kernel compiled in for an instruction set this CPU lacks refuses to run, naming itself.
+    std::vector<bf16> w(32, 0x3F80);
+    std::vector<float> x(32), y(1);
+    for (const auto& e : kBf16Kernels)
+        if (e.fn != nullptr && !cpu_has(e.isa)) {
+            const std::string msg = test::error_of([&] { e.fn(y.data(), x.data(), w.data(), 1, 1, 32, 1); });
+            CHECK(msg.find(std::string("matmul_bf16_") + e.name + ": this CPU has no") == 0);
+        }
 }
 
 TEST_CASE("4.4 an input width off the 16 lanes (24) worked by hand: columns 16..23 go into lanes 0..7") {
