@@ -288,15 +288,18 @@ KIMIK3_TARGET_AVX512 inline void mxfp4_range_avx512(float* y, const float* xp, c
     auto decode = [&](float* tile, std::size_t r, int nr, std::size_t c0, std::size_t c1) KIMIK3_TARGET_AVX512 {
         const __m512 e2m1 = _mm512_loadu_ps(kE2M1.data());
         const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-        for (int i = 0; i < nr; ++i)
+        for (int i = 0; i < nr; ++i) {
+            const std::uint8_t* p = packed + (r + std::size_t(i)) * prow;  // (locals: the stores below may alias anything)
+            const std::uint8_t* s = scales + (r + std::size_t(i)) * srow;
+            float* out = tile + std::size_t(i) * kPanel;
+            prefetch_mxfp4_ahead(p, s, c0, c1, cols);  // this row's next panel (the tiles' order, not one token's)
             for (std::size_t c = c0; c < c1; c += kMxBlock) {
-                if (c % (4 * kMxBlock) == 0 && r + std::size_t(nr + i) < rows)  // the next rows' line, as for one token
-                    _mm_prefetch(reinterpret_cast<const char*>(packed + (r + std::size_t(nr + i)) * prow + c / 2), _MM_HINT_T0);
                 __m512 lo, hi;
-                decode_block_avx512(lo, hi, e2m1, shifts, packed + (r + std::size_t(i)) * prow + c / 2, scales[(r + std::size_t(i)) * srow + c / kMxBlock]);
-                _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0), lo);
-                _mm512_storeu_ps(tile + std::size_t(i) * kPanel + (c - c0) + kLanes, hi);
+                decode_block_avx512(lo, hi, e2m1, shifts, p + c / 2, s[c / kMxBlock]);
+                _mm512_storeu_ps(out + (c - c0), lo);
+                _mm512_storeu_ps(out + (c - c0) + kLanes, hi);
             }
+        }
     };
     switch (tokens) {
         case 1: return mxfp4_few_tokens_avx512<1, R1>(y, rows, xp, packed, scales, cols, r0, r1);
@@ -336,8 +339,11 @@ inline void matmul_mxfp4_avx512(float* y, const float* x, const std::uint8_t* pa
 // independent chains to hide the decode's shuffles. There, beside ggml's gemv_mxfp4_8x8_q8_0 (d99724f2,
 // repacked, activations in int8: not exact) built in the same process, w1 3584 -> 3072, 1 thread,
 // thread CPU time, medians of 7, 3 runs each: 4 rows 0.62-0.82x ggml streamed and 0.70-0.81x hot;
-// 8 rows 0.96-1.03x streamed and 0.86-1.07x hot. The Intel machine that tuned the 4-row kernel could not
-// be measured again, so it keeps that one: 5.8's table prefers this one on AMD family 26 only.
+// 8 rows 0.96-1.03x streamed and 0.86-1.07x hot; on a quieter one (family 26 model 2, load 0.8-1.0, 5
+// runs) 1.06-1.12x streamed and 1.13-1.18x hot, the 4-row kernel 0.64-0.70x and 0.72-0.76x. (Asking for
+// the lines into L2 instead, or for the same row's line 0.5-1 kB ahead, was no faster there.) The Intel
+// machine that tuned the 4-row kernel could not be measured again, so it keeps that one: 5.8's table
+// prefers this one on AMD family 26 only.
 inline void matmul_mxfp4_avx512_zen5(float* y, const float* x, const std::uint8_t* packed, const std::uint8_t* scales, std::size_t tokens,
                                      std::size_t rows, std::size_t cols) {  // y (T, out), x (T, in), packed (out, in/2), scales (out, in/32)
     detail::matmul_mxfp4_avx512_rows<8>("matmul_mxfp4_avx512_zen5", y, x, packed, scales, tokens, rows, cols);
