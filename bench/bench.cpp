@@ -98,33 +98,59 @@ struct Limits {
     double bw1 = 0, bw2 = 0;  // memory read, 1 and 2 threads
     double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
     double pairs = 0;         // one thread's float multiply-then-add pairs per second (no decode, no loads)
+    double pairs512 = 0;      // the same with AVX-512 registers (0 where the kernels run none)
+    double pairs_for(const char* kernel) const {  // the rate at the width the named kernel works in
+        return pairs512 > 0 && std::string(kernel).rfind("avx512", 0) == 0 ? pairs512 : pairs;
+    }
 };
 
 // The compute limit of the T-token tables: every (row, token, column) is one multiply and one add,
 // rounded apart (no FMA: chapter 00), and every add of a sum waits for the one before it, so the best a
-// kernel can do is this loop: 16 independent sums of registers already loaded, one multiply and one add
-// each per step. T tokens over an n-weight matrix take at least T * n / pairs seconds, however seldom
-// the weights are decoded.
-double pair_rate(int reps) {
+// kernel can do is this loop: independent sums of registers already loaded, each with its own multiply
+// and add per step. (Sharing one product among the sums would measure the adds alone: an earlier version
+// of this loop did, and so understated what a core whose multiplies and adds issue side by side can do.)
+// T tokens over an n-weight matrix take at least T * n / pairs seconds, however seldom the weights are
+// decoded. The rate is measured at the shim's width and, where the kernels use them, with AVX-512
+// registers: on a Zen 5 a 512-bit multiply or add costs what a 256-bit one does, on a Zen 4 twice.
+double pair_rate(int reps) {  // the shim's registers: 8 sums, 8 weights, x (17 registers; AVX2 has 16: one is reloaded)
     set_threads(1);
+    constexpr int N = 8;
     const long steps = 2000000;
     volatile float sink = 0;
     const double sec = median_seconds(reps, [&] {
-        simd::f32 acc[16];
-        for (auto& a : acc) a = simd::splat(0.0f);
-        simd::f32 w = simd::splat(1.0f + float(sink)), x = simd::splat(1e-3f);
+        simd::f32 acc[N], w[N], x = simd::splat(1e-3f);
+        for (int k = 0; k < N; ++k) acc[k] = w[k] = simd::splat(1.0f + float(k));
         for (long i = 0; i < steps; ++i) {
-            KIMIK3_UNROLL for (int k = 0; k < 16; ++k) acc[k] = acc[k] + w * x;
-            w = detail::keep_loaded(w), x = detail::keep_loaded(x);  // (so w * x is not hoisted out of the loop)
+            KIMIK3_UNROLL for (int k = 0; k < N; ++k) acc[k] = acc[k] + w[k] * x;
+            x = detail::keep_loaded(x);  // (so no product is hoisted out of the loop)
         }
-        simd::f32 s = acc[0];
-        for (int k = 1; k < 16; ++k) s = s + acc[k];
+        for (int k = 1; k < N; ++k) acc[0] = acc[0] + acc[k];  // (every sum is used: none is dead code)
         float lanes[8 * 4];
-        simd::store(lanes, s);
+        simd::store(lanes, acc[0]);
         sink = lanes[0];
     });
-    return 16.0 * double(steps) * simd::W / sec;
+    return double(N) * double(steps) * simd::W / sec;
 }
+
+#if KIMIK3_X86_KERNELS
+KIMIK3_TARGET_AVX512 double pair_rate_avx512(int reps) {  // 12 sums, 12 weights, x: 25 of the 32 registers
+    set_threads(1);
+    constexpr int N = 12;
+    const long steps = 2000000;
+    volatile float sink = 0;
+    const double sec = median_seconds(reps, [&]() KIMIK3_TARGET_AVX512 {
+        __m512 acc[N], w[N], x = _mm512_set1_ps(1e-3f);
+        for (int k = 0; k < N; ++k) acc[k] = w[k] = _mm512_set1_ps(1.0f + float(k));
+        for (long i = 0; i < steps; ++i) {
+            KIMIK3_UNROLL for (int k = 0; k < N; ++k) acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(w[k], x));
+            x = detail::keep_in_register(x);
+        }
+        for (int k = 1; k < N; ++k) acc[0] = _mm512_add_ps(acc[0], acc[k]);
+        sink = _mm512_cvtss_f32(acc[0]);
+    });
+    return double(N) * double(steps) * 16 / sec;
+}
+#endif
 
 double l2_bandwidth(int reps) {
     set_threads(1);
@@ -162,7 +188,7 @@ constexpr std::size_t kTokenCounts[] = {1, 2, 4, 8, 16};
 void token_row(std::size_t T, const char* kernel, bool hot, int threads, double sec, double weights, double bytes, double t1, const Limits& lim) {
     char label[16];
     std::snprintf(label, sizeof label, "T = %zu", T);
-    const double bw = bytes / sec, floor = double(T) * weights / (lim.pairs * threads);
+    const double bw = bytes / sec, floor = double(T) * weights / (lim.pairs_for(kernel) * threads);
     std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes), %4.2f of the pair limit\n",
                 label, kernel, hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2),
                 bw / lim.l2, floor / sec);
@@ -345,8 +371,13 @@ int main(int argc, char** argv) {
     }
     lim.l2 = l2_bandwidth(g_reps);
     lim.pairs = pair_rate(g_reps);
+#if KIMIK3_X86_KERNELS
+    if (cpu_has(Isa::avx512) && isa_enabled(Isa::avx512)) lim.pairs512 = pair_rate_avx512(g_reps);
+#endif
     std::printf("  1 thread  %6.2f GB/s\n  2 threads %6.2f GB/s\n  L2 (256 kB, 1 thread) %6.2f GB/s\n", lim.bw1 / 1e9, lim.bw2 / 1e9, lim.l2 / 1e9);
-    std::printf("  float multiply+add pairs, 1 thread: %.1f G/s (the T-token tables' \"pair limit\": T x weights / this, x threads)\n", lim.pairs / 1e9);
+    std::printf("  float multiply+add pairs, 1 thread: %.1f G/s with %d-float registers", lim.pairs / 1e9, simd::W);
+    if (lim.pairs512 > 0) std::printf(", %.1f G/s with AVX-512's 16", lim.pairs512 / 1e9);
+    std::printf("\n  (the T-token tables' \"pair limit\": T x weights / the rate at the kernel's width, x threads)\n");
     if (only.empty() || only == "bf16") bench_bf16(lim);
     if (only.empty() || only == "mxfp4") bench_mxfp4(lim);
     if (only.empty() || only == "kda") {
