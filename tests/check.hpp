@@ -61,6 +61,26 @@ template <class Fn> std::vector<Kernel<Fn>> fast_kernels(std::span<const Kernel<
     return run;
 }
 
+// Chapter 00's dispatch rule (0.9) seen from outside, for one family: `chosen` (the entry the family's
+// dispatcher returns, by reference into `family`) names itself, is the reference under KIMIK3_SCALAR,
+// else is compiled in and enabled with no later entry the rule could have taken; and the one entry tuned
+// for a CPU, "avx512_zen5", is chosen exactly on AMD family 26 with AVX-512 enabled.
+template <class Fn> void check_dispatch(std::span<const Kernel<Fn>> family, const Kernel<Fn>& chosen, const char* reported) {
+    CHECK(std::string(reported) == chosen.name);
+    if (!use_simd) CHECK(std::string(chosen.name) == "reference");
+    else {
+        CHECK((chosen.fn != nullptr));
+        CHECK(isa_enabled(chosen.isa));
+        bool after = false;  // no later (wider) entry of the table is one this machine could run
+        for (const auto& e : family) {
+            if (after) CHECK_FALSE((e.fn != nullptr && isa_enabled(e.isa) && (e.preferred == nullptr || e.preferred())));
+            after = after || &e == &chosen;
+        }
+    }
+    const bool zen5_choice = use_simd && isa_enabled(Isa::avx512) && cpu_amd_family() == 26;
+    CHECK((std::string(chosen.name) == "avx512_zen5") == zen5_choice);
+}
+
 // Path of a file under the repository root, so tests run from any working directory.
 inline std::string source_path(const std::string& rel) { return std::string(KIMIK3_SOURCE_DIR) + "/" + rel; }
 

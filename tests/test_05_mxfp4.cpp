@@ -224,22 +224,9 @@ TEST_CASE("5.5-5.7 T tokens, one decode: every token's row is its own matvec's, 
 }
 
 TEST_CASE("5.8 the dispatcher names the kernel it runs, and never one this CPU lacks") {
-    const Kernel<Mxfp4Matmul>& k = mxfp4_kernel();
-    CHECK(std::string(mxfp4_kernel_name()) == k.name);
-    if (!use_simd) CHECK(std::string(k.name) == "reference");
-    else {
-        CHECK((k.fn != nullptr));
-        CHECK(isa_enabled(k.isa));
-        bool after = false;  // no later (wider) entry of the table is one this machine could run
-        for (const auto& e : kMxfp4Kernels) {
-            if (after) CHECK_FALSE((e.fn != nullptr && isa_enabled(e.isa) && (e.preferred == nullptr || e.preferred())));
-            after = after || &e == &k;
-        }
-    }
-    CHECK(kernel_isa() <= cpu_isa());
     // The one CPU-dependent choice: the 8-row AVX-512 kernel on AMD family 26 (Zen 5), the 4-row one elsewhere.
-    const bool zen5_choice = use_simd && isa_enabled(Isa::avx512) && cpu_amd_family() == 26;
-    CHECK((std::string(k.name) == "avx512_zen5") == zen5_choice);
+    test::check_dispatch<Mxfp4Matmul>(kMxfp4Kernels, mxfp4_kernel(), mxfp4_kernel_name());
+    CHECK(kernel_isa() <= cpu_isa());
     // A kernel compiled in for an instruction set this CPU lacks refuses to run, naming itself.
     std::vector<std::uint8_t> p(16), s(1, 127);
     std::vector<float> x(32), y(1);
