@@ -241,7 +241,16 @@ chat_interrupt() {  # prints: the exit code, the replies finished, the replies s
     wait $pid
     echo "$? $(grep -c 'tokens, ' "$d/err") $(grep -c 'stopped by Ctrl-C' "$d/err")"
 }
-expect "chat: Ctrl-C stops the reply, the next message is answered, end of input exits 0 (was: the program died)" 0 "^0 2 1\$" chat_interrupt eof
-expect "chat: Ctrl-C at the prompt ends the program (exit 130)" 0 "^130 2 1\$" chat_interrupt prompt
+# A shell started with SIGINT ignored (by nohup, or with & from a script without job control) passes that
+# on to what it runs, and the chat rightly leaves an ignored SIGINT ignored: these two cannot run there.
+skipped=0
+sigign=$(awk '/^SigIgn:/ {print $2}' /proc/$$/status 2>/dev/null)
+if [ -n "$sigign" ] && (( (16#$sigign >> 1) & 1 )); then
+    skipped=2
+    echo "SKIPPED: the chat's two Ctrl-C checks (this test run was started with SIGINT ignored, which the chat keeps)"
+else
+    expect "chat: Ctrl-C stops the reply, the next message is answered, end of input exits 0 (was: the program died)" 0 "^0 2 1\$" chat_interrupt eof
+    expect "chat: Ctrl-C at the prompt ends the program (exit 130)" 0 "^130 2 1\$" chat_interrupt prompt
+fi
 
-echo "kimik3-tests: cli.sh $pass passed, $fail failed"
+echo "kimik3-tests: cli.sh $pass passed, $fail failed, $skipped skipped"
