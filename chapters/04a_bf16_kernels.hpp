@@ -53,16 +53,16 @@ namespace detail {
 struct Bf16Prefetch {
     int rows;           // rows at a time for one token (independent chains; each load of x shared)
     std::size_t bytes;  // how far ahead of the line being read
-    int hint;           // _MM_HINT_T0 (into L1) or _MM_HINT_T1 (into L2)
+    int locality;       // __builtin_prefetch's: 3 = prefetcht0 (into L1), 2 = prefetcht1 (into L2)
 };
-inline constexpr Bf16Prefetch kBf16PrefetchDefault{8, 3072, _MM_HINT_T1};     // matmul_bf16_avx512 (Intel, Zen 4)
-inline constexpr Bf16Prefetch kBf16PrefetchZen5{8, 2048, _MM_HINT_T0};        // matmul_bf16_avx512_zen5: the wide plan,
-inline constexpr Bf16Prefetch kBf16PrefetchZen5Narrow{16, 512, _MM_HINT_T0};  // the narrow one (one token, x of at most
-inline constexpr std::size_t kBf16NarrowCols = 8192;                           // this many columns)
+inline constexpr Bf16Prefetch kBf16PrefetchDefault{8, 3072, 2};     // matmul_bf16_avx512 (Intel, Zen 4)
+inline constexpr Bf16Prefetch kBf16PrefetchZen5{8, 2048, 3};        // matmul_bf16_avx512_zen5: the wide plan,
+inline constexpr Bf16Prefetch kBf16PrefetchZen5Narrow{16, 512, 3};  // the narrow one (one token, x of at most
+inline constexpr std::size_t kBf16NarrowCols = 8192;                 // this many columns)
 
 template <Bf16Prefetch P>
 KIMIK3_TARGET_AVX512 inline void prefetch_row_avx512(const bf16* p) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + P.bytes, static_cast<_mm_hint>(P.hint));
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + P.bytes, 0, P.locality);  // (g++'s _mm_prefetch wants its own enum, clang's a literal)
 }
 
 KIMIK3_TARGET_AVX512 inline __m512 widen_bf16_avx512(const bf16* p) {  // 16 bf16 -> 16 f32, exact
