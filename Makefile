@@ -456,7 +456,7 @@ fixtures:
 # run in pieces: `make little-k3 LITTLE_EXTRA=--no-finish` trains and stops, a later `make little-k3`
 # exports into fixtures/little-k3 and measures. Needs make little-data first; then make fixtures (or the
 # reference step alone) for its reference outputs. `make little-k3-measure` measures the committed model.
-LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --eval-every 250 --threads 1 --procs 2 --checkpoint-minutes 10
+LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --copy-end 0.1 --eval-every 250 --threads 1 --procs 2 --checkpoint-minutes 10
 LITTLE_WORK ?= build/little-k3-train
 LITTLE_EXTRA ?=
 little-k3: deps train-deps

