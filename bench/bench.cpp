@@ -6,8 +6,8 @@
 //
 // Every figure is the MEDIAN of several runs (the machine is shared and noisy), and every speed is
 // also given as a ratio to a limit measured in the same run: the plain memory-read bandwidth of one
-// thread and of all threads (for the streamed matvec rows, the read measured again just before that
-// kernel). Nothing here asserts a time: benchmarks measure, tests check.
+// thread and of all threads (for a kernel that streams its weights, a plain read of those same bytes
+// just before it). Nothing here asserts a time: benchmarks measure, tests check.
 #include <algorithm>
 #include <bit>
 #include <cstdio>
@@ -41,34 +41,43 @@ template <class Fn> std::vector<Kernel<Fn>> runnable(std::span<const Kernel<Fn>>
     return out;
 }
 
-// The machine's limit: bytes per second a plain read of a large buffer achieves (no compute: four
-// SIMD accumulators summing floats), with `threads` threads, each over its own contiguous part.
-double read_bandwidth(const std::vector<float>& buf, int threads) {
+// The machine's limit: bytes per second a plain read of `bytes` at `data` achieves (no compute: four
+// SIMD registers XOR the words in, a bitwise operation, so weights' bit patterns read as fast as any),
+// with `threads` threads, each over its own contiguous part.
+//
+// Which memory is read, and when, matters on a shared virtual machine: on this project's Zen 5 guest
+// one process read its 512 MB buffer at 25-27 GB/s and the next one, seconds later, at 33-35 (one
+// thread, the same loop and binary, each steady within its own run), and a buffer of weights read at
+// 40-45 while a fresh one read at 33. Held to another buffer's read, a kernel's ratio could pass 1.3.
+// So a kernel's streamed rows are held to a read of the very bytes that kernel streams, measured just
+// before it (Limits::read_of); the fresh buffer read at the start only describes the machine.
+double read_bandwidth(const void* data, std::size_t bytes, int threads) {
     set_threads(threads);
-    volatile float sink = 0;
+    const auto* words = static_cast<const std::uint32_t*>(data);
+    const std::size_t n = bytes / 4;
+    volatile std::uint32_t sink = 0;
     const double sec = median_seconds(g_reps, [&] {
-        const std::size_t n = buf.size();
-        float partial[64] = {};
+        std::uint32_t partial[64] = {};
         run_on_threads(threads, [&](int ti, int nti) {
             const std::size_t t = std::size_t(ti), nt = std::size_t(nti);
             const std::size_t b = n * t / nt / 64 * 64, e = t + 1 == nt ? n : n * (t + 1) / nt / 64 * 64;
-            simd::f32 a0 = simd::splat(0), a1 = a0, a2 = a0, a3 = a0;
+            simd::u32 a0 = simd::splat_u32(0), a1 = a0, a2 = a0, a3 = a0;
             for (std::size_t i = b; i + 4 * simd::W <= e; i += 4 * simd::W) {
-                a0 = a0 + simd::load(&buf[i]);
-                a1 = a1 + simd::load(&buf[i + simd::W]);
-                a2 = a2 + simd::load(&buf[i + 2 * simd::W]);
-                a3 = a3 + simd::load(&buf[i + 3 * simd::W]);
+                a0 = a0 ^ simd::load_u32(words + i);
+                a1 = a1 ^ simd::load_u32(words + i + simd::W);
+                a2 = a2 ^ simd::load_u32(words + i + 2 * simd::W);
+                a3 = a3 ^ simd::load_u32(words + i + 3 * simd::W);
             }
-            float lanes[8 * 4];
-            simd::store(lanes, (a0 + a1) + (a2 + a3));
-            for (int j = 0; j < simd::W; ++j) partial[t % 64] += lanes[j];
+            alignas(64) std::uint32_t lanes[8];
+            ((a0 ^ a1) ^ (a2 ^ a3)).store_unaligned(lanes);
+            for (int j = 0; j < simd::W; ++j) partial[t % 64] ^= lanes[j];
         });
-        float total = 0;
-        for (float p : partial) total += p;
+        std::uint32_t total = 0;
+        for (std::uint32_t p : partial) total ^= p;
         sink = total;
     });
     (void)sink;
-    return double(buf.size() * sizeof(float)) / sec;
+    return double(n * 4) / sec;
 }
 
 // The last-level cache, from sysfs (0 when unknown). A working set meant to come from memory must be
@@ -100,10 +109,9 @@ struct Limits {
     double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
     double pairs = 0;         // one thread's float multiply-then-add pairs per second (no decode, no loads)
     double pairs512 = 0;      // the same with AVX-512 registers (0 where the kernels run none)
-    const std::vector<float>* read_buf = nullptr;  // the buffer bw1 and bw2 were read from
-    // The memory read measured again now (a shared machine's bandwidth moves from one minute to the next,
-    // so a kernel's streamed rows are held to the read just before them, not to the one at the start).
-    double read_now(int threads) const { return read_bandwidth(*read_buf, threads); }
+    // A plain read of the memory a kernel streams, measured just before it: a shared machine's bandwidth
+    // moves from one minute to the next, and differs from one allocation to another (read_bandwidth).
+    static double read_of(const void* data, std::size_t bytes, int threads) { return read_bandwidth(data, bytes, threads); }
     double pairs_for(const char* kernel) const {  // the rate at the width the named kernel works in
         return pairs512 > 0 && std::string(kernel).rfind("avx512", 0) == 0 ? pairs512 : pairs;
     }
@@ -179,7 +187,7 @@ double l2_bandwidth(int reps) {
     return double(buf.size() * sizeof(float)) * passes / sec;
 }
 
-// One streamed matvec row: `read_bw` is the memory read measured just before the kernel (Limits::read_now).
+// One streamed matvec row: `read_bw` is a read of the kernel's own weights just before it (Limits::read_of).
 void row(const char* kernel, const char* path, int threads, double weights, double bytes, double sec, double read_bw) {
     const double bw = bytes / sec;
     std::printf("  %-34s %-6s %2d  %9.3f ms  %7.2f Gw/s  %7.2f GB/s  %5.2f of read bw (%.1f GB/s)\n", kernel, path, threads, sec * 1e3,
@@ -188,14 +196,16 @@ void row(const char* kernel, const char* path, int threads, double weights, doub
 }
 
 // The token counts of the T-token tables, and one row of them: time per call, weights per second, the
-// ratio to T = 1 of the same kernel, weights and threads, and the same-run limits (read bandwidth, L2).
+// ratio to T = 1 of the same kernel, weights and threads, and the same-run limits (`read_bw`: a read of
+// the streamed weights just before the kernel's table; L2; the pair limit).
 constexpr std::size_t kTokenCounts[] = {1, 2, 4, 8, 16};
-void token_row(std::size_t T, const char* kernel, bool hot, int threads, double sec, double weights, double bytes, double t1, const Limits& lim) {
+void token_row(std::size_t T, const char* kernel, bool hot, int threads, double sec, double weights, double bytes, double t1,
+               const Limits& lim, double read_bw) {
     char label[16];
     std::snprintf(label, sizeof label, "T = %zu", T);
     const double bw = bytes / sec, floor = double(T) * weights / (lim.pairs_for(kernel) * threads);
     std::printf("  %-8s %-9s %-7s %2d  %9.3f ms  %7.2f Gw/s  %8.2fx   %5.2f of read bw, %5.3f of L2 read (in weight bytes), %4.2f of the pair limit\n",
-                label, kernel, hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / (threads == 1 ? lim.bw1 : lim.bw2),
+                label, kernel, hot ? "hot" : "stream", threads, sec * 1e3, weights / sec / 1e9, sec / t1, bw / read_bw,
                 bw / lim.l2, floor / sec);
     std::fflush(stdout);
 }
@@ -220,7 +230,7 @@ void bench_bf16(const Limits& lim) {
             for (const auto& k : paths) {
                 std::size_t call = 0;  // each call reads the next copy
                 const int reps = std::string(k.name) == "reference" ? std::min(g_reps, 3) : g_reps;
-                const double read_bw = lim.read_now(threads);
+                const double read_bw = Limits::read_of(w.data(), w.size() * sizeof(w[0]), threads);
                 const double sec = median_seconds(reps, [&] {
                     k.fn(y.data(), x.data(), w.data() + (call++ % copies) * s.rows * s.cols, 1, s.rows, s.cols, s.rows);
                 });
@@ -241,6 +251,7 @@ void bench_bf16(const Limits& lim) {
         set_threads(threads);
         for (const auto& k : paths) {
             if (std::string(k.name) == "reference") continue;
+            const double read_bw = Limits::read_of(w.data(), w.size() * sizeof(w[0]), threads);
             for (const bool hot : {false, true}) {
                 const std::size_t n = hot ? hot_rows : rows, calls = hot ? std::max(copies, rows / hot_rows) : copies;  // per repetition
                 double t1 = 0;
@@ -251,7 +262,7 @@ void bench_bf16(const Limits& lim) {
                             k.fn(yT.data(), xs.data(), w.data() + (hot ? 0 : (call++ % copies) * rows * cols), T, n, cols, n);
                     }) / double(calls);
                     if (T == 1) t1 = sec;
-                    token_row(T, k.name, hot, threads, sec, double(n * cols), double(n * cols * 2), t1, lim);
+                    token_row(T, k.name, hot, threads, sec, double(n * cols), double(n * cols * 2), t1, lim, read_bw);
                 }
             }
         }
@@ -288,7 +299,7 @@ void bench_mxfp4(const Limits& lim) {
             const Mxfp4Matmul fn = k.fn;
             const int reps = std::string(name) == "reference" ? std::min(g_reps, 3) : g_reps;
             const double w13 = double(F * L), b13 = double(p13 + s13);
-            const double read_bw = lim.read_now(threads);  // (for this kernel's three rows)
+            const double read_bw = Limits::read_of(arena.data(), arena.size(), threads);  // (for this kernel's three rows)
             // w1/w3 shape, one call per distinct expert: time per call
             double sec = median_seconds(reps, [&] {
                 for (std::size_t e = 0; e < E; ++e) fn(yF.data(), xL.data(), mat(e, 0), mat(e, 0) + p13, 1, F, L);
@@ -325,6 +336,7 @@ void bench_mxfp4(const Limits& lim) {
         set_threads(threads);
         for (const auto& k : paths) {
             if (std::string(k.name) == "reference" || std::string(k.name) == "xsimd") continue;
+            const double read_bw = Limits::read_of(arena.data(), arena.size(), threads);
             for (const bool hot : {false, true}) {
                 double t1 = 0;
                 for (const std::size_t T : kTokenCounts) {
@@ -335,7 +347,7 @@ void bench_mxfp4(const Limits& lim) {
                         }
                     }) / double(E);
                     if (T == 1) t1 = sec;
-                    token_row(T, k.name, hot, threads, sec, double(F * L), double(p13 + s13), t1, lim);
+                    token_row(T, k.name, hot, threads, sec, double(F * L), double(p13 + s13), t1, lim, read_bw);
                     // each token's row must be the matvec's, bit for bit
                     for (std::size_t t = 0; t < T; ++t) {
                         k.fn(y1.data(), xs.data() + t * L, mat(hot ? 0 : E - 1, 0), mat(hot ? 0 : E - 1, 0) + p13, 1, F, L);
@@ -370,12 +382,11 @@ int main(int argc, char** argv) {
     std::printf("  this CPU runs %s kernels; in use: %s (bf16), %s (MXFP4); last-level cache %.0f MiB\n", isa_name(cpu_isa()),
                 bf16_kernel_name(), mxfp4_kernel_name(), double(llc_bytes()) / double(1 << 20));
     const std::size_t read_bytes = stream_bytes(std::size_t(512) << 20);
-    std::printf("\nmachine limits, measured now: plain read of a %.0f MB buffer (memory), and of 256 kB (L2); multiplies and adds\n", double(read_bytes) / 1e6);
+    std::printf("\nmachine limits, measured now: plain read of a fresh %.0f MB buffer (memory; streamed kernels are held to a read of\n  their own weights, see read_bandwidth), and of 256 kB (L2); multiplies and adds\n", double(read_bytes) / 1e6);
     Limits lim;
     const std::vector<float> read_buf(read_bytes / sizeof(float), 1.0f);
-    lim.read_buf = &read_buf;
-    lim.bw1 = read_bandwidth(read_buf, 1);
-    lim.bw2 = read_bandwidth(read_buf, 2);
+    lim.bw1 = read_bandwidth(read_buf.data(), read_bytes, 1);
+    lim.bw2 = read_bandwidth(read_buf.data(), read_bytes, 2);
     lim.l2 = l2_bandwidth(g_reps);
     lim.pairs = pair_rate(g_reps);
 #if KIMIK3_X86_KERNELS

@@ -49,7 +49,9 @@ namespace detail {
 // 1.20x the Zen 4's plan, 16 rows 1 kB 1.31x, 16 rows 512 bytes 1.34x, 16 rows 2 kB 0.80x. Where x
 // fills L1 by itself (o_proj, 12288 columns: 48 kB) 16 rows lost (0.73x) and 8 rows 2 kB ahead into L1
 // gained 1.03-1.10x at 1 and 2 threads (1 kB into L2: 1.04-1.09x). So the Zen 5 kernel has two plans, by the
-// width of x: up to 8192 columns (32 kB) the narrow one, past that the wide one.
+// width of x: up to 8192 columns (32 kB) the narrow one, past that the wide one. (Those reads were of a
+// separate buffer. Held to a read of the kernel's own weights, as make bench now does, the Zen 5 plans
+// reach 0.79-0.99 of it there and the Zen 4's 0.57-0.80: the README's kernel table.)
 struct Bf16Prefetch {
     int rows;           // rows at a time for one token (independent chains; each load of x shared)
     std::size_t bytes;  // how far ahead of the line being read
