@@ -51,14 +51,18 @@ namespace detail {
 // gained 1.03-1.10x at 1 and 2 threads (1 kB into L2: 1.04-1.09x). So the Zen 5 kernel has two plans, by the
 // width of x: up to 8192 columns (32 kB) the narrow one, past that the wide one. (Those reads were of a
 // separate buffer. Held to a read of the kernel's own weights, as make bench now does, the Zen 5 plans
-// reach 0.79-0.99 of it there and the Zen 4's 0.57-0.80: the README's kernel table.)
+// reach 0.79-0.99 of it there and the Zen 4's 0.57-0.80: the README's kernel table. Measured that way,
+// o_proj, 12 alternations in each of 3 processes, medians: 8 rows 1 kB ahead 0.79 of the read at 1
+// thread and 2, 2 kB ahead 0.78 and 0.70; so the wide plan now asks 1 kB ahead. In make bench, 3 runs
+// of each alternated, o_proj went 0.84-0.87 / 0.71-0.93 (1 / 2 threads) to 0.84-1.03 / 0.81-1.04: no
+// worse, perhaps better, within that shared host's noise.)
 struct Bf16Prefetch {
     int rows;           // rows at a time for one token (independent chains; each load of x shared)
     std::size_t bytes;  // how far ahead of the line being read
     int locality;       // __builtin_prefetch's: 3 = prefetcht0 (into L1), 2 = prefetcht1 (into L2)
 };
 inline constexpr Bf16Prefetch kBf16PrefetchDefault{8, 3072, 2};     // matmul_bf16_avx512 (Intel, Zen 4)
-inline constexpr Bf16Prefetch kBf16PrefetchZen5{8, 2048, 3};        // matmul_bf16_avx512_zen5: the wide plan,
+inline constexpr Bf16Prefetch kBf16PrefetchZen5{8, 1024, 3};        // matmul_bf16_avx512_zen5: the wide plan,
 inline constexpr Bf16Prefetch kBf16PrefetchZen5Narrow{16, 512, 3};  // the narrow one (one token, x of at most
 inline constexpr std::size_t kBf16NarrowCols = 8192;                 // this many columns)
 
