@@ -1420,8 +1420,10 @@ def main(argv=None):
             cp = copy_accuracy(model, corpus, args.seq, limit_docs=12)
             state["eval_points"].append((state["step"] * tokens_per_step, ev))
             state.setdefault("copy_points", []).append((state["step"] * tokens_per_step, cp["copy_accuracy"], cp["repeat_accuracy"]))
+            top = max((v for heads in cp["repeat_induction_attention"].values() for v in heads), default=0.0)
             print(f"  held-out (first 12 documents): {ev:.4f} bits/byte, copy accuracy {cp['copy_accuracy']:.3f} "
-                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f}", flush=True)
+                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f} (the most induction "
+                  f"attention of an MLA head {top:.3f}, uniform {cp['repeat_uniform_attention']:.3f})", flush=True)
             svg_curves(os.path.join(args.work, "loss.svg"), state["train_points"], state["eval_points"], "little K3 training")
         if time.time() - last_ckpt > args.checkpoint_minutes * 60:
             save()
@@ -1520,7 +1522,10 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     x[t+1]: the share of them where the model's argmax at t is x[t+1]. A model that copies gets these
     right; one that only knows common bigrams gets the share where the copy is also the likeliest bigram.
     Also: the same on repeated spans (a held-out span A of 64 tokens, another span B, then A again: the
-    positions of the second A after its first two tokens). Returns a dict."""
+    positions of the second A after its first two tokens), and there, for each MLA layer and head, the
+    mean attention on the induction target (at A's i-th token the second time, the position of A's
+    (i+1)-th the first time: what an induction head looks at) beside what uniform attention would give.
+    Returns a dict."""
     model.eval()
     pairs, _ = heldout_windows(corpus, seq, limit_docs)
     full = [(x, y) for x, y in pairs if len(x) == seq]
@@ -1541,16 +1546,27 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     spans = [x[:64] for x, _ in full[: 2 * 48]]
     rep_hits = rep_total = 0
     rows = [torch.cat([spans[2 * k], spans[2 * k + 1], spans[2 * k]]) for k in range(len(spans) // 2)]
+    queries = torch.arange(129, 191)   # the second A's tokens 1..62: they predict tokens 130..191
+    targets = queries - 128 + 1        # where the first A has the token each should predict
+    mass = {}
     for i in range(0, len(rows), batch):
         xs = torch.stack(rows[i:i + batch])
-        pred = model(xs[:, :-1]).argmax(-1)
+        rec = []
+        pred = model(xs[:, :-1], rec).argmax(-1)
         tgt = xs[:, 1:]
         sl = slice(128 + 1, 191)     # predictions of tokens 130..191 (the second A from its third token)
         rep_hits += int((pred[:, sl] == tgt[:, sl]).sum())
         rep_total += pred[:, sl].numel()
+        for l, r in enumerate(rec):
+            if "mla_probs" in r:   # [B, H, T, S]
+                on = r["mla_probs"][:, :, queries, targets].sum(dim=(0, 2))
+                mass[l + 1] = on if l + 1 not in mass else mass[l + 1] + on
+    n = max(1, len(rows)) * len(queries)
     model.train()
     return {"copy_accuracy": hits / max(1, total), "copy_positions": total,
-            "repeat_accuracy": rep_hits / max(1, rep_total), "repeat_positions": rep_total}
+            "repeat_accuracy": rep_hits / max(1, rep_total), "repeat_positions": rep_total,
+            "repeat_induction_attention": {f"layer {l}": [round(float(v) / n, 4) for v in m] for l, m in sorted(mass.items())},
+            "repeat_uniform_attention": round(float((1.0 / (queries + 1).double()).mean()), 4)}
 
 
 @torch.no_grad()
