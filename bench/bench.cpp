@@ -50,7 +50,7 @@ template <class Fn> std::vector<Kernel<Fn>> runnable(std::span<const Kernel<Fn>>
 // thread, the same loop and binary, each steady within its own run), and a buffer of weights read at
 // 40-45 while a fresh one read at 33. Held to another buffer's read, a kernel's ratio could pass 1.3.
 // So a kernel's streamed rows are held to a read of the very bytes that kernel streams, measured just
-// before it (Limits::read_of); the fresh buffer read at the start only describes the machine.
+// before it; the fresh buffer read at the start only describes the machine.
 double read_bandwidth(const void* data, std::size_t bytes, int threads) {
     set_threads(threads);
     const auto* words = static_cast<const std::uint32_t*>(data);
@@ -109,9 +109,6 @@ struct Limits {
     double l2 = 0;            // one thread reading a 256 kB buffer over and over (it stays in L2)
     double pairs = 0;         // one thread's float multiply-then-add pairs per second (no decode, no loads)
     double pairs512 = 0;      // the same with AVX-512 registers (0 where the kernels run none)
-    // A plain read of the memory a kernel streams, measured just before it: a shared machine's bandwidth
-    // moves from one minute to the next, and differs from one allocation to another (read_bandwidth).
-    static double read_of(const void* data, std::size_t bytes, int threads) { return read_bandwidth(data, bytes, threads); }
     double pairs_for(const char* kernel) const {  // the rate at the width the named kernel works in
         return pairs512 > 0 && std::string(kernel).rfind("avx512", 0) == 0 ? pairs512 : pairs;
     }
@@ -187,7 +184,7 @@ double l2_bandwidth(int reps) {
     return double(buf.size() * sizeof(float)) * passes / sec;
 }
 
-// One streamed matvec row: `read_bw` is a read of the kernel's own weights just before it (Limits::read_of).
+// One streamed matvec row: `read_bw` is a read of the kernel's own weights just before it (read_bandwidth).
 void row(const char* kernel, const char* path, int threads, double weights, double bytes, double sec, double read_bw) {
     const double bw = bytes / sec;
     std::printf("  %-34s %-6s %2d  %9.3f ms  %7.2f Gw/s  %7.2f GB/s  %5.2f of read bw (%.1f GB/s)\n", kernel, path, threads, sec * 1e3,
@@ -230,7 +227,7 @@ void bench_bf16(const Limits& lim) {
             for (const auto& k : paths) {
                 std::size_t call = 0;  // each call reads the next copy
                 const int reps = std::string(k.name) == "reference" ? std::min(g_reps, 3) : g_reps;
-                const double read_bw = Limits::read_of(w.data(), w.size() * sizeof(w[0]), threads);
+                const double read_bw = read_bandwidth(w.data(), w.size() * sizeof(w[0]), threads);
                 const double sec = median_seconds(reps, [&] {
                     k.fn(y.data(), x.data(), w.data() + (call++ % copies) * s.rows * s.cols, 1, s.rows, s.cols, s.rows);
                 });
@@ -251,7 +248,7 @@ void bench_bf16(const Limits& lim) {
         set_threads(threads);
         for (const auto& k : paths) {
             if (std::string(k.name) == "reference") continue;
-            const double read_bw = Limits::read_of(w.data(), w.size() * sizeof(w[0]), threads);
+            const double read_bw = read_bandwidth(w.data(), w.size() * sizeof(w[0]), threads);
             for (const bool hot : {false, true}) {
                 const std::size_t n = hot ? hot_rows : rows, calls = hot ? std::max(copies, rows / hot_rows) : copies;  // per repetition
                 double t1 = 0;
@@ -299,7 +296,7 @@ void bench_mxfp4(const Limits& lim) {
             const Mxfp4Matmul fn = k.fn;
             const int reps = std::string(name) == "reference" ? std::min(g_reps, 3) : g_reps;
             const double w13 = double(F * L), b13 = double(p13 + s13);
-            const double read_bw = Limits::read_of(arena.data(), arena.size(), threads);  // (for this kernel's three rows)
+            const double read_bw = read_bandwidth(arena.data(), arena.size(), threads);  // (for this kernel's three rows)
             // w1/w3 shape, one call per distinct expert: time per call
             double sec = median_seconds(reps, [&] {
                 for (std::size_t e = 0; e < E; ++e) fn(yF.data(), xL.data(), mat(e, 0), mat(e, 0) + p13, 1, F, L);
@@ -336,7 +333,7 @@ void bench_mxfp4(const Limits& lim) {
         set_threads(threads);
         for (const auto& k : paths) {
             if (std::string(k.name) == "reference" || std::string(k.name) == "xsimd") continue;
-            const double read_bw = Limits::read_of(arena.data(), arena.size(), threads);
+            const double read_bw = read_bandwidth(arena.data(), arena.size(), threads);
             for (const bool hot : {false, true}) {
                 double t1 = 0;
                 for (const std::size_t T : kTokenCounts) {
