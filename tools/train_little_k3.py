@@ -766,6 +766,7 @@ class Corpus:
             c = torch.load(cache)
             if c.get("stamp") == stamp:
                 self.__dict__.update(c)
+                self.model_dir = model_dir
                 return
         exe = build_tokenizer_tool(work)
         encode = lambda strings: tokenize_strings(exe, model_dir, strings)  # noqa: E731
@@ -816,6 +817,7 @@ class Corpus:
               f"{n_plain} plain + {n_chat} chat training tokens ({dict(kinds)}), copy stream {n_copy}, "
               f"{sum(len(x) for x in held_ids)} held-out tokens", flush=True)
         torch.save(dict((k, v) for k, v in self.__dict__.items()), cache)
+        self.model_dir = model_dir        # (not cached: the tokenizer's folder, for evaluations that need its words)
 
     def batch(self, rng, batch, seq, copy_share=0.0):
         """`batch` random windows of seq + 1 tokens: round(copy_share x batch) of them from the copy
@@ -1422,7 +1424,8 @@ def main(argv=None):
             state.setdefault("copy_points", []).append((state["step"] * tokens_per_step, cp["copy_accuracy"], cp["repeat_accuracy"]))
             top = max((v for heads in cp["repeat_induction_attention"].values() for v in heads), default=0.0)
             print(f"  held-out (first 12 documents): {ev:.4f} bits/byte, copy accuracy {cp['copy_accuracy']:.3f} "
-                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f} (the most induction "
+                  f"({cp['copy_positions']} positions), on repeated spans {cp['repeat_accuracy']:.3f}, on random spans "
+                  f"{cp['random_span_accuracy']:.3f} (the most induction "
                   f"attention of an MLA head {top:.3f}, uniform {cp['repeat_uniform_attention']:.3f})", flush=True)
             svg_curves(os.path.join(args.work, "loss.svg"), state["train_points"], state["eval_points"], "little K3 training")
         if time.time() - last_ckpt > args.checkpoint_minutes * 60:
@@ -1514,6 +1517,28 @@ def token_bytes(model_dir):
     return ranks
 
 
+def random_span_rows(corpus, seq, n=32, seed=SEED + 2):
+    """n rows of seq + 1 tokens: held-out text, a span of 24-100 word tokens drawn at random from the
+    vocabulary (a space and four or more letters), more held-out text, the same span again, held-out text
+    to the end. Text cannot predict the second span; only copying from the first can. Returns the rows
+    and, per row, (where the second span starts, its length)."""
+    ranks = token_bytes(corpus.model_dir)
+    pool = sorted(i for i, b in ranks.items() if i >= 256 and len(b) >= 5 and b[:1] == b" " and b[1:].isalpha())
+    rng = random.Random(seed)
+    text = torch.cat(corpus.heldout).tolist()
+    rows, marks = [], []
+    for _ in range(n):
+        length = rng.randint(24, 100)
+        gap = rng.randint(0, seq + 1 - 2 * length - 8)
+        pre = rng.randint(0, seq + 1 - 2 * length - gap)
+        s = rng.randint(0, len(text) - 2 * seq)
+        span = [rng.choice(pool) for _ in range(length)]
+        row = text[s:s + pre] + span + text[s + pre:s + pre + gap] + span
+        marks.append((len(row) - length, length))
+        rows.append(row + text[s + pre + gap:s + pre + gap + seq + 1 - len(row)])
+    return torch.tensor(rows, dtype=torch.int64), marks
+
+
 @torch.no_grad()
 def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     """Held-out copy accuracy. In every window of the held-out documents (as bits_per_byte cuts them),
@@ -1525,7 +1550,7 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     positions of the second A after its first two tokens), and there, for each MLA layer and head, the
     mean attention on the induction target (at A's i-th token the second time, the position of A's
     (i+1)-th the first time: what an induction head looks at) beside what uniform attention would give.
-    Returns a dict."""
+    And on random spans said twice (random_span_rows), which only copying predicts. Returns a dict."""
     model.eval()
     pairs, _ = heldout_windows(corpus, seq, limit_docs)
     full = [(x, y) for x, y in pairs if len(x) == seq]
@@ -1562,8 +1587,19 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
                 on = r["mla_probs"][:, :, queries, targets].sum(dim=(0, 2))
                 mass[l + 1] = on if l + 1 not in mass else mass[l + 1] + on
     n = max(1, len(rows)) * len(queries)
+    # random spans said twice (random_span_rows): at the second span's i-th token (i >= 1, having seen
+    # two of its tokens), is the argmax its (i+1)-th?
+    span_hits = span_total = 0
+    xs, marks = random_span_rows(corpus, seq)
+    for i in range(0, len(xs), batch):
+        pred = model(xs[i:i + batch, :-1]).argmax(-1)
+        for p, y, (at, length) in zip(pred.tolist(), xs[i:i + batch, 1:].tolist(), marks[i:i + batch]):
+            for t in range(at + 1, at + length - 1):
+                span_total += 1
+                span_hits += p[t] == y[t]
     model.train()
     return {"copy_accuracy": hits / max(1, total), "copy_positions": total,
+            "random_span_accuracy": span_hits / max(1, span_total), "random_span_positions": span_total,
             "repeat_accuracy": rep_hits / max(1, rep_total), "repeat_positions": rep_total,
             "repeat_induction_attention": {f"layer {l}": [round(float(v) / n, 4) for v in m] for l, m in sorted(mass.items())},
             "repeat_uniform_attention": round(float((1.0 / (queries + 1).double()).mean()), 4)}
