@@ -55,21 +55,23 @@ int main() {
         Session plain(model.config, 128);
         std::vector<float> plain_logits;  // (48, V): row g = the logits token g was chosen from
         const Ids truth = continue_session(model, plain, prompt, 48, greedy, kPrefillChunk, [](std::int64_t) { return true; }, &plain_logits);
-        // the first point of the plain run where the lookup's draft is right at least twice
-        std::size_t at = 0, right = 0;
+        // the first point of the plain run where the lookup's draft is right at least twice: truth[at] is
+        // the last chosen token, draft guesses what follows it; every row the step could keep must lie
+        // inside the plain run, to be compared with it
+        std::size_t at = 0;
         Ids seq, draft;
-        for (; at + 1 < truth.size() && right < 2; ++at) {
+        for (; at + 1 < truth.size(); ++at) {
             seq.assign(prompt.begin(), prompt.end()), seq.insert(seq.end(), truth.begin(), truth.begin() + long(at + 1));
             draft = draft_from_context(seq, 6);
-            right = 0;
-            if (at + 1 + draft.size() < truth.size())  // every row the step could keep lies inside the plain run
-                while (right < draft.size() && draft[right] == truth[at + 1 + right]) ++right;
+            if (at + 1 + draft.size() >= truth.size()) continue;
+            std::size_t right = 0;
+            while (right < draft.size() && draft[right] == truth[at + 1 + right]) ++right;
+            if (right >= 2) break;
         }
-        if (right < 2) {
+        if (at + 1 >= truth.size()) {
             std::printf("  the lookup's drafts are never right twice in a row in this run: nothing to verify\n");
             return 1;
         }
-        --at;  // truth[at] is the last chosen token, draft guesses what follows it
         Ids step = {truth[at]};
         step.insert(step.end(), draft.begin(), draft.end());
         Session s(model.config, 128);
