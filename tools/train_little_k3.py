@@ -602,6 +602,30 @@ class LittleK3(torch.nn.Module):
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
 
 
+@torch.no_grad()
+def induction_init(model):
+    """--induction-init: start every KDA layer able to copy (fixtures/little-k3/TRAINING.md, "Probes after
+    this run"). Each channel's decay (before its token-dependent part) spread log-uniformly over
+    0.001-1 nats per token, where the default start forgets everything past ten tokens or so; and in the
+    first half of each layer's key channels (heads 0 and 1) a key that is the query of the token before:
+    the convolution takes the previous token, the projection is the query's. Then at a token seen
+    before, q . k is largest at the token after its last occurrence, and the state returns that token's
+    value: an induction memory from step 0. Weights only: the release layout is unchanged."""
+    for layer in model.layers:
+        a = layer.self_attn
+        if not isinstance(a, KDA):
+            continue
+        d = a.d
+        g = torch.exp(torch.linspace(math.log(1e-3), 0.0, d.Dh))   # |g| per channel of a head
+        z = torch.log(g / -d.lb) - torch.log1p(g / d.lb)             # g = lb * sigmoid(A z)
+        A = torch.exp(a.A_log)
+        a.dt_bias.copy_(torch.cat([z / A[h] for h in range(d.Hk)]))
+        half = d.P // 2
+        a.k_conv[:half, 0, d.Wc - 1] -= 1.0
+        a.k_conv[:half, 0, d.Wc - 2] += 1.0
+        a.k_proj[:half] = a.q_proj[:half]
+
+
 # ================================================================================================
 # 3. Data: the corpus through the engine's tokenizer, plus the synthetic chat and recall parts
 # ================================================================================================
@@ -1237,7 +1261,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
 
 
 RUN_ARGS = ("steps", "qat_steps", "batch", "seq", "lr", "bias_speed", "threads", "procs", "micro_batch",
-            "copy_curriculum", "copy_start", "copy_end")
+            "copy_curriculum", "copy_start", "copy_end", "induction_init")
 HOW_ARGS = ("threads", "procs", "micro_batch")   # recorded, but a resume may change them: the same steps
 
 
@@ -1273,6 +1297,8 @@ def main(argv=None):
     ap.add_argument("--copy-start", type=float, default=0.3, help="share of each batch from the copy stream at step 0")
     ap.add_argument("--copy-end", type=float, default=0.05,
                     help="the share from mid-run on (it falls linearly from --copy-start until then)")
+    ap.add_argument("--induction-init", action="store_true",
+                    help="start the KDA layers able to copy (induction_init; not the committed model's recipe)")
     ap.add_argument("--no-finish", action="store_true",
                     help="train and checkpoint only; export and measure later with --finish-only")
     ap.add_argument("--self-check", action="store_true", help="run the self-checks and stop")
@@ -1310,6 +1336,8 @@ def main(argv=None):
     torch.manual_seed(SEED)
     d = Dims(TEXT_CONFIG)
     model = LittleK3(d)
+    if args.induction_init:
+        induction_init(model)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "res_proj" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "res_proj" not in n)]
