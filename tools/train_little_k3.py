@@ -843,15 +843,56 @@ class Corpus:
         torch.save(dict((k, v) for k, v in self.__dict__.items()), cache)
         self.model_dir = model_dir        # (not cached: the tokenizer's folder, for evaluations that need its words)
 
-    def batch(self, rng, batch, seq, copy_share=0.0):
+    def batch(self, rng, batch, seq, copy_share=0.0, span_share=0.0, warmup=False):
         """`batch` random windows of seq + 1 tokens: round(copy_share x batch) of them from the copy
-        stream, the rest from the training stream."""
+        stream, round(span_share x batch) span rows (span_row), the rest from the training stream. In
+        the copy warm-up (--copy-warmup), rows of nothing but random spans each written twice."""
+        if warmup:
+            w = torch.stack([self.span_pairs(rng, seq + 1) for _ in range(batch)])
+            return w[:, :-1], w[:, 1:]
         n_copy = int(round(copy_share * batch))
+        n_span = min(batch - n_copy, int(round(span_share * batch)))
         starts = torch.randint(0, len(self.stream) - seq - 1, (batch - n_copy,), generator=rng)
         copy_starts = torch.randint(0, len(self.copy_stream) - seq - 1, (n_copy,), generator=rng)
-        w = torch.stack([self.stream[s:s + seq + 1] for s in starts.tolist()] +
-                        [self.copy_stream[s:s + seq + 1] for s in copy_starts.tolist()]).to(torch.int64)
+        rows = [self.stream[s:s + seq + 1].to(torch.int64) for s in starts.tolist()]
+        for i in range(len(rows) - n_span, len(rows)):   # (no draws at all when span_share is 0: the
+            rows[i] = self.span_row(rng, rows[i])        # committed model's batches are unchanged)
+        w = torch.stack(rows + [self.copy_stream[s:s + seq + 1].to(torch.int64) for s in copy_starts.tolist()])
         return w[:, :-1], w[:, 1:]
+
+    def span_row(self, rng, text):
+        """A window of training text with a span of 8-100 word tokens drawn at random from the vocabulary
+        (a space and two or more letters) written into it twice, text before, between and after: only
+        copying predicts the second span (--span-start, --span-end). The held-out figure's rows
+        (random_span_rows) are made the same way from held-out text with their own seed."""
+        n = len(text)
+        length = draw(rng, 8, min(100, (n - 8) // 2))
+        gap = draw(rng, 0, n - 2 * length - 8)
+        pre = draw(rng, 0, n - 2 * length - gap)
+        span = self.random_words(rng, length)
+        return torch.cat([text[:pre], span, text[pre:pre + gap], span, text[pre + gap:]])[:n]
+
+    def span_pairs(self, rng, n):
+        """n tokens of random spans of 8-64 word tokens, each written twice in a row (the copy warm-up)."""
+        parts, have = [], 0
+        while have < n:
+            span = self.random_words(rng, draw(rng, 8, 64))
+            parts += [span, span]
+            have += 2 * len(span)
+        return torch.cat(parts)[:n]
+
+    def random_words(self, rng, length):
+        if getattr(self, "span_pool", None) is None:
+            ranks = token_bytes(self.model_dir)
+            self.span_pool = torch.tensor(sorted(i for i, b in ranks.items()
+                                                 if i >= 256 and len(b) >= 3 and b[:1] == b" " and b[1:].isalpha()))
+        return self.span_pool[torch.randint(0, len(self.span_pool), (length,), generator=rng)]
+
+
+def draw(rng, lo, hi):
+    """A uniform integer in [lo, hi] from the torch generator rng (the batches' one: a resumed run
+    draws the same)."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=rng))
 
 
 def copy_share_at(step, steps, start=0.3, end=0.05, until=0.5):
@@ -1261,7 +1302,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
 
 
 RUN_ARGS = ("steps", "qat_steps", "batch", "seq", "lr", "bias_speed", "threads", "procs", "micro_batch",
-            "copy_curriculum", "copy_start", "copy_end", "induction_init")
+            "copy_curriculum", "copy_start", "copy_end", "induction_init", "span_start", "span_end",
+            "copy_warmup")
 HOW_ARGS = ("threads", "procs", "micro_batch")   # recorded, but a resume may change them: the same steps
 
 
@@ -1297,6 +1339,12 @@ def main(argv=None):
     ap.add_argument("--copy-start", type=float, default=0.3, help="share of each batch from the copy stream at step 0")
     ap.add_argument("--copy-end", type=float, default=0.05,
                     help="the share from mid-run on (it falls linearly from --copy-start until then)")
+    ap.add_argument("--span-start", type=float, default=0.0,
+                    help="share of each batch that is span rows (text with a random span written twice) at step 0")
+    ap.add_argument("--span-end", type=float, default=0.0,
+                    help="the span rows' share from mid-run on (it falls linearly from --span-start until then)")
+    ap.add_argument("--copy-warmup", type=int, default=0,
+                    help="the first N steps train on nothing but random spans written twice (span_pairs)")
     ap.add_argument("--induction-init", action="store_true",
                     help="start the KDA layers able to copy (induction_init; not the committed model's recipe)")
     ap.add_argument("--no-finish", action="store_true",
@@ -1394,7 +1442,8 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, min(200, max(1, args.steps // 15)))
         share = copy_share_at(step, args.steps, args.copy_start, args.copy_end) if args.copy_curriculum else 0.0
-        x, y = corpus.batch(data_rng, args.batch, args.seq, share)
+        x, y = corpus.batch(data_rng, args.batch, args.seq, share,
+                            copy_share_at(step, args.steps, args.span_start, args.span_end), step < args.copy_warmup)
         t0, c0 = time.time(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss, loads = 0.0, None
