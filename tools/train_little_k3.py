@@ -1522,7 +1522,8 @@ def main(argv=None):
     summary = {"steps": state["step"], "seconds": state["seconds"], "peak_rss_mb": peak_rss_mb,
                "tokens": state["step"] * ra["batch"] * ra["seq"], "params": n_params, "batch": ra["batch"], "seq": ra["seq"],
                "lr": ra["lr"], "qat_steps": ra["qat_steps"], "threads": ra["threads"], "bias_speed": ra["bias_speed"],
-               "procs": ra["procs"], "copy_start": ra["copy_start"], "copy_end": ra["copy_end"]}
+               "procs": ra["procs"], "copy_start": ra["copy_start"], "copy_end": ra["copy_end"],
+               **{k: ra[k] for k in ("induction_init", "span_start", "span_end", "copy_warmup")}}
     summary_path = os.path.join(args.work, "train_summary.json")
     if args.finish_only and os.path.exists(summary_path):
         summary = json.load(open(summary_path))
