@@ -864,7 +864,7 @@ class Corpus:
         """A window of training text with a span of 8-100 word tokens drawn at random from the vocabulary
         (a space and two or more letters) written into it twice, text before, between and after: only
         copying predicts the second span (--span-start, --span-end). The held-out figure's rows
-        (random_span_rows) are made the same way from held-out text with their own seed."""
+        (random_span_rows) are made alike from held-out text: spans of 24-100 words of four or more letters."""
         n = len(text)
         length = draw(rng, 8, min(100, (n - 8) // 2))
         gap = draw(rng, 0, n - 2 * length - 8)
