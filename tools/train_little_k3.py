@@ -883,9 +883,7 @@ class Corpus:
 
     def random_words(self, rng, length):
         if getattr(self, "span_pool", None) is None:
-            ranks = token_bytes(self.model_dir)
-            self.span_pool = torch.tensor(sorted(i for i, b in ranks.items()
-                                                 if i >= 256 and len(b) >= 3 and b[:1] == b" " and b[1:].isalpha()))
+            self.span_pool = torch.tensor(word_tokens(self.model_dir, 2))
         return self.span_pool[torch.randint(0, len(self.span_pool), (length,), generator=rng)]
 
 
@@ -1595,13 +1593,19 @@ def token_bytes(model_dir):
     return ranks
 
 
+def word_tokens(model_dir, min_letters):
+    """The vocabulary's word tokens, sorted: a space and at least min_letters letters (the spans of
+    random_span_rows and of the training's span rows are drawn from these)."""
+    return sorted(i for i, b in token_bytes(model_dir).items()
+                  if i >= 256 and len(b) > min_letters and b[:1] == b" " and b[1:].isalpha())
+
+
 def random_span_rows(corpus, seq, n=32, seed=SEED + 2):
     """n rows of seq + 1 tokens: held-out text, a span of 24-100 word tokens drawn at random from the
     vocabulary (a space and four or more letters), more held-out text, the same span again, held-out text
     to the end. Text cannot predict the second span; only copying from the first can. Returns the rows
     and, per row, (where the second span starts, its length)."""
-    ranks = token_bytes(corpus.model_dir)
-    pool = sorted(i for i, b in ranks.items() if i >= 256 and len(b) >= 5 and b[:1] == b" " and b[1:].isalpha())
+    pool = word_tokens(corpus.model_dir, 4)
     rng = random.Random(seed)
     text = torch.cat(corpus.heldout).tolist()
     rows, marks = [], []
