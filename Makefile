@@ -106,7 +106,9 @@ deps:
 # provides it), and npm (the npm corpus packages; apt-get download fetches the Debian ones).
 # Only what is missing is installed: a machine whose node comes with its own npm must not be asked for
 # Debian's npm, which conflicts with that node.
-train-deps:
+# It comes after deps (a prerequisite): under make's -j both would run apt-get at once, and the second
+# fails on apt's lock.
+train-deps: deps
 	@pkgs=; /usr/bin/python3 -c "import torch" >/dev/null 2>&1 || pkgs="$$pkgs python3-torch"; \
 	/usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || pkgs="$$pkgs python3-numpy"; \
 	ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || pkgs="$$pkgs libopenblas0-pthread"; \
