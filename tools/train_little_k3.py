@@ -320,6 +320,7 @@ class KDA(torch.nn.Module):
     """Kimi Delta Attention (docs/kimi-k3.md 3.4), chunked for training."""
 
     CHUNK = 16  # a power of two; within a chunk the decay exponent stays above -5 * 16 = -80: exp(80) fits in float32
+    silenced = ()  # heads whose outputs copy_ablation switches off (never in training)
 
     def __init__(self, d):
         super().__init__()
@@ -355,6 +356,9 @@ class KDA(torch.nn.Module):
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
         o = rms_normalize(o, d.eps) * self.o_norm * gate
+        if self.silenced:                                 # copy_ablation only: these heads' outputs zeroed
+            o = o.clone()
+            o[:, :, list(self.silenced)] = 0.0
         return mm(o.reshape(B, T, d.P), self.o_proj)
 
 
@@ -422,6 +426,8 @@ def kda_chunked(q, k, v, g, beta, C):
 class MLA(torch.nn.Module):
     """Gated MLA, NoPE, naive form (docs/kimi-k3.md 3.5.3): training needs every position at once."""
 
+    silenced = False  # copy_ablation: the layer's attention output switched off (never in training)
+
     def __init__(self, d):
         super().__init__()
         self.d = d
@@ -451,6 +457,8 @@ class MLA(torch.nn.Module):
         if record is not None:
             record["mla_probs"] = probs.detach()
         attn = bmm(probs, value.transpose(1, 2)).transpose(1, 2).reshape(B, T, d.H * d.Dv)
+        if self.silenced:
+            attn = torch.zeros_like(attn)
         return mm(attn * torch.sigmoid(gate), self.o_proj)
 
 
@@ -1375,7 +1383,7 @@ def main(argv=None):
                   **behaviour(m, corpus, args.measure, args.seq, args.eval_docs)}
         with open(os.path.join(args.work, "measure.json"), "w") as f:
             json.dump(result, f, indent=2)
-        print(json.dumps({k: result[k] for k in ("bits_per_byte", "copy", "loops", "chat", "router_specialisation")}, indent=1))
+        print(json.dumps({k: result[k] for k in ("bits_per_byte", "copy", "copy_ablation", "loops", "chat", "router_specialisation")}, indent=1))
         print(f"measured in {time.time() - t:.0f} s; all in {args.work}/measure.json", flush=True)
         return 0
     dp = DataParallel(args, argv) if args.procs > 1 and not args.finish_only else None
@@ -1621,6 +1629,67 @@ def random_span_rows(corpus, seq, n=32, seed=SEED + 2):
     return torch.tensor(rows, dtype=torch.int64), marks
 
 
+def repeated_span_rows(full):
+    """copy_accuracy's repeated spans: from the held-out windows `full`, 48 rows of a span A (64 tokens),
+    another span B, then A again."""
+    spans = [x[:64] for x, _ in full[: 2 * 48]]
+    return [torch.cat([spans[2 * k], spans[2 * k + 1], spans[2 * k]]) for k in range(len(spans) // 2)]
+
+
+@torch.no_grad()
+def random_span_score(model, corpus, seq, batch=16):
+    """On random_span_rows: at the second span's i-th token (i >= 1, having seen two of its tokens), is
+    the argmax its (i+1)-th? Returns (hits, positions)."""
+    hits = total = 0
+    xs, marks = random_span_rows(corpus, seq)
+    for i in range(0, len(xs), batch):
+        pred = model(xs[i:i + batch, :-1]).argmax(-1)
+        for p, y, (at, length) in zip(pred.tolist(), xs[i:i + batch, 1:].tolist(), marks[i:i + batch]):
+            for t in range(at + 1, at + length - 1):
+                total += 1
+                hits += p[t] == y[t]
+    return hits, total
+
+
+@torch.no_grad()
+def copy_ablation(model, corpus, seq, batch=16):
+    """Which parts of the model copy: the random-span and repeated-span accuracies of copy_accuracy with
+    chosen outputs switched off: heads of the KDA layers (their outputs zeroed before o_proj) or the
+    MLA layers' attention (zeroed before the output gate). Layers are numbered from 1, as the schedule.
+    Returns a list of (what was switched off, random-span accuracy, repeated-span accuracy)."""
+    model.eval()
+    pairs, _ = heldout_windows(corpus, seq)
+    rows = torch.stack(repeated_span_rows([(x, y) for x, y in pairs if len(x) == seq]))
+    kda = [(l + 1, layer.self_attn) for l, layer in enumerate(model.layers) if isinstance(layer.self_attn, KDA)]
+    mla = [layer.self_attn for layer in model.layers if isinstance(layer.self_attn, MLA)]
+    H = model.d.Hk
+    low, high = tuple(range(H // 2)), tuple(range(H // 2, H))
+    cases = [("nothing", [], False),
+             (f"KDA heads {low[0]}-{low[-1]}, every KDA layer", [(a, low) for _, a in kda], False),
+             (f"KDA heads {high[0]}-{high[-1]}, every KDA layer", [(a, high) for _, a in kda], False)]
+    cases += [(f"KDA heads {low[0]}-{low[-1]} of layer {l}", [(a, low)], False) for l, a in kda]
+    cases.append(("the attention of every MLA layer", [], True))
+    out = []
+    for name, heads, no_mla in cases:
+        for a, hs in heads:
+            a.silenced = hs
+        for a in mla:
+            a.silenced = no_mla
+        span_hits, span_total = random_span_score(model, corpus, seq, batch)
+        rep_hits = rep_total = 0
+        for i in range(0, len(rows), batch):
+            pred = model(rows[i:i + batch, :-1]).argmax(-1)[:, 128 + 1:191]
+            rep_hits += int((pred == rows[i:i + batch, 1:][:, 128 + 1:191]).sum())
+            rep_total += pred.numel()
+        for _, a in kda:
+            a.silenced = ()
+        for a in mla:
+            a.silenced = False
+        out.append((name, round(span_hits / max(1, span_total), 3), round(rep_hits / max(1, rep_total), 3)))
+    model.train()
+    return out
+
+
 @torch.no_grad()
 def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     """Held-out copy accuracy. In every window of the held-out documents (as bits_per_byte cuts them),
@@ -1649,10 +1718,8 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
                     total += 1
                     hits += p[t] == y[t]
                 last[(x[t - 1], x[t])] = t
-    # repeated spans
-    spans = [x[:64] for x, _ in full[: 2 * 48]]
     rep_hits = rep_total = 0
-    rows = [torch.cat([spans[2 * k], spans[2 * k + 1], spans[2 * k]]) for k in range(len(spans) // 2)]
+    rows = repeated_span_rows(full)
     queries = torch.arange(129, 191)   # the second A's tokens 1..62: they predict tokens 130..191
     targets = queries - 128 + 1        # where the first A has the token each should predict
     mass = {}
@@ -1671,14 +1738,7 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
     n = max(1, len(rows)) * len(queries)
     # random spans said twice (random_span_rows): at the second span's i-th token (i >= 1, having seen
     # two of its tokens), is the argmax its (i+1)-th?
-    span_hits = span_total = 0
-    xs, marks = random_span_rows(corpus, seq)
-    for i in range(0, len(xs), batch):
-        pred = model(xs[i:i + batch, :-1]).argmax(-1)
-        for p, y, (at, length) in zip(pred.tolist(), xs[i:i + batch, 1:].tolist(), marks[i:i + batch]):
-            for t in range(at + 1, at + length - 1):
-                span_total += 1
-                span_hits += p[t] == y[t]
+    span_hits, span_total = random_span_score(model, corpus, seq, batch)
     model.train()
     return {"copy_accuracy": hits / max(1, total), "copy_positions": total,
             "random_span_accuracy": span_hits / max(1, span_total), "random_span_positions": span_total,
@@ -1828,7 +1888,8 @@ def behaviour(model, corpus, model_dir, seq, limit_docs=None):
     _TOKEN_BYTES.update(token_bytes(model_dir))
     loops, prompts, conts = loop_share(model, corpus)
     chat, chat_rows = chat_eval(model, corpus, model_dir) if getattr(corpus, "chat_tests", None) else ({}, [])
-    return {"copy": copy_accuracy(model, corpus, seq, limit_docs), "loops": loops,
+    return {"copy": copy_accuracy(model, corpus, seq, limit_docs), "copy_ablation": copy_ablation(model, corpus, seq),
+            "loops": loops,
             "loop_samples": [(decode_ids(model_dir, p), decode_ids(model_dir, c)) for p, c in list(zip(prompts, conts))[:8]],
             "router_specialisation": router_specialisation(model, corpus, seq), "chat": chat, "chat_replies": chat_rows}
 
@@ -1865,7 +1926,7 @@ def finish(args, model, corpus, state, summary, ckpt_preqat):
     rows.append(("little K3, exported (bf16 trunk, MXFP4 experts): what the engine runs", exported_bpb))
     stats = router_stats(exported, corpus, args.seq, limit_docs=args.eval_docs or 40)
     beh = behaviour(exported, corpus, args.out, args.seq, args.eval_docs)
-    print(json.dumps({k: beh[k] for k in ("copy", "loops", "chat", "router_specialisation")}), flush=True)
+    print(json.dumps({k: beh[k] for k in ("copy", "copy_ablation", "loops", "chat", "router_specialisation")}), flush=True)
     # greedy continuations of held-out prompts (the first 12 tokens of held-out documents)
     samples = []
     for i in range(0, len(corpus.heldout), max(1, len(corpus.heldout) // 6))[:6]:
