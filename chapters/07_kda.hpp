@@ -47,6 +47,12 @@
 //       decay:      s_ji *= alpha_i              prediction: p_j = sum_i s_ji k_i
 //       update:     s_ji += (beta (v_j - p_j)) k_i     read: o_j = sum_i s_ji q_i
 //
+//   induction    a head whose key is the previous token (the short conv can shift by one) and whose query
+//                is the current token stores "what followed x" under x: when x comes again, o is the
+//                token that followed it last time. That is copying, done by a state instead of attention
+//                (Olsson et al., "In-context Learning and Induction Heads", 2022); make run-07 builds one
+//                by hand, and shows why keys of one token fail on a list with separators.
+//
 // NUMERICS CONTRACT
 //   Projections: chapter 04 (T tokens at once, per-token bits independent of T).
 //   Conv: acc = w0*x0, then acc = acc + w_j*x_j for j = 1..W-1 (taps in time order), y = SiLU(acc).

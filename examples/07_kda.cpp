@@ -1,12 +1,16 @@
 // Example for chapter 07: a KDA state written by one token, then decaying channel by channel; what the
 // decay gate's lower bound prevents, in numbers (K3's bounded gate against Kimi Linear's unbounded one,
-// alone and inside a chunked kernel's 16-token block); then the trained little K3's first KDA layer on
-// held-out text: how its gates use the range the bound leaves, and prefill = decode, bit for bit.
+// alone and inside a chunked kernel's 16-token block); one head wired by hand as an induction memory,
+// which reads a list back when the list begins again (and where keys of one token fail); then the trained
+// little K3's first KDA layer on held-out text: how its gates use the range the bound leaves, and
+// prefill = decode, bit for bit.
 //   make run-07
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <string>
 
 #include "../kimik3.hpp"
 
@@ -39,6 +43,40 @@ static int block_entries(const std::vector<float>& g, float& largest, double& wo
             else if (direct > 1e-30f) worst_rel = std::max(worst_rel, std::fabs(double(f) - direct) / direct);
         }
     return bad;
+}
+
+// An induction memory in one KDA head (7.4). Every token writes its own embedding as the value under a
+// key made of the token(s) before it, and reads with a query made of itself (and the token before), which
+// is what the NEXT token's key will be. At a token seen before, the query finds the key written at the
+// token that followed its last occurrence, and the state hands back that token. Keys have two halves of
+// 16 channels, one per position (a short convolution gives each tap its own weights): the token two back
+// in channels 0-15, the token before in 16-31. Embeddings are one-hot (no cross-talk; a trained model's
+// are only nearly orthogonal). Returns how many of the second pass's words it predicts, and appends to
+// `said` what it predicted at each of them.
+static int induction_read_back(const std::vector<int>& seq, std::size_t second, bool two_token_keys, int words, std::string& said,
+                               const char* const* names) {
+    const std::size_t Dh = 32, half = 16;
+    std::vector<float> S(Dh * Dh, 0.0f), k(Dh), q(Dh), v(Dh), o(Dh), alpha(Dh, 1.0f), beta = {1.0f};
+    auto key_ending_at = [&](std::vector<float>& out, std::size_t end) {  // unit vector: token end, and end - 1
+        std::fill(out.begin(), out.end(), 0.0f);
+        out[half + std::size_t(seq[end])] = 1.0f;
+        if (two_token_keys && end > 0) out[std::size_t(seq[end - 1])] = 1.0f;
+        const float norm = two_token_keys && end > 0 ? std::sqrt(2.0f) : 1.0f;
+        for (float& x : out) x = x / norm;
+    };
+    int right = 0;
+    for (std::size_t t = 1; t + 1 < seq.size(); ++t) {
+        key_ending_at(k, t - 1);  // written under the token(s) before this one
+        key_ending_at(q, t);      // read with this one (and the one before): the next token's key
+        std::fill(v.begin(), v.end(), 0.0f);
+        v[std::size_t(seq[t])] = 1.0f;
+        kda_recurrence_ref(o.data(), S.data(), q.data(), k.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
+        if (t < second || seq[t + 1] >= words) continue;  // score the second pass's words only
+        const int guess = int(std::max_element(o.begin(), o.end()) - o.begin());
+        right += guess == seq[t + 1];
+        said += std::string(" ") + names[guess];
+    }
+    return right;
 }
 
 int main() {
@@ -101,6 +139,35 @@ int main() {
     kda_recurrence_ref(o.data(), S_unbounded.data(), e0.data(), e0.data(), v.data(), alpha.data(), beta.data(), 1, Dh);
     std::printf("  token 5 with the unbounded gate at z = 110 (alpha = %g):     o[3] = %.5f, o[15] = %.5f: erased\n", double(alpha[0]),
                 double(o[3]), double(o[15]));
+
+    std::printf("\n7.4 the same recurrence as an induction memory: a list read once, then begun again\n");
+    {
+        const char* names[] = {"river", "radio", "dinner", "island", "doctor", "engine", "market", "window", ","};
+        const int words = 8, comma = 8;
+        std::vector<int> spaced, commas;
+        for (int pass = 0; pass < 2; ++pass)
+            for (int w = 0; w < words; ++w) {
+                spaced.push_back(w);
+                commas.push_back(w);
+                commas.push_back(comma);
+            }
+        struct Case {
+            const char* name;
+            const std::vector<int>& seq;
+            bool two_token_keys;
+        };
+        std::printf("  one head, Dh = 32; value = this token, key = the token(s) before it, query = this token (and the\n"
+                    "  one before), i.e. the next token's key; beta = 1, no decay; one-hot embeddings\n");
+        for (const Case& c : {Case{"spaces, keys of 1 token ", spaced, false}, Case{"commas, keys of 1 token ", commas, false},
+                              Case{"commas, keys of 2 tokens", commas, true}}) {
+            std::string said;
+            const int right = induction_read_back(c.seq, c.seq.size() / 2, c.two_token_keys, words, said, names);
+            std::printf("  %s read back %d of 7:%s\n", c.name, right, said.c_str());
+        }
+        std::printf("  (with commas every word follows ',', so keys of one token put every word under the same key and the\n"
+                    "   delta rule keeps the last one written: at each comma it says the word it has just read. Keys of\n"
+                    "   two tokens tell the places apart; a short convolution, one weight per tap, can make them)\n");
+    }
 
     std::printf("\n7.5 the little K3's first KDA layer (layer 0) on held-out text, as the model runs it\n");
     try {
