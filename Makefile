@@ -452,13 +452,15 @@ fixtures:
 	sha256sum tools/*.py tools/*.mjs tools/*.txt > fixtures/generators.sha256
 
 # ---- little-k3: train the little K3 (fixtures/little-k3/TRAINING.md says what this run took) -----------
-# Issue 26's recipe (TRAINING.md, "The next little K3"): 7,500 steps of 16 x 256 tokens (30.7 M tokens),
-# seeded, one thread (two lose badly on a loaded machine), bfloat16 products, the copy curriculum, MXFP4 in
+# Issue 26's recipe (TRAINING.md, "Training"): 7,500 steps of 16 x 256 tokens (30.7 M tokens), seeded, one
+# thread per process (two lose badly on a loaded machine), bfloat16 products, KDA heads started as an
+# induction memory, 400 steps of pure copying first, then text with the copy stream and span rows, MXFP4 in
 # the loop for the last 750 steps; resumable (--resume continues from LITTLE_WORK/checkpoint.pt), so it can
 # run in pieces: `make little-k3 LITTLE_EXTRA=--no-finish` trains and stops, a later `make little-k3`
 # exports into fixtures/little-k3 and measures. Needs make little-data first; then make fixtures (or the
 # reference step alone) for its reference outputs. `make little-k3-measure` measures the committed model.
-LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --copy-end 0.1 --eval-every 250 --threads 1 --procs 2 --checkpoint-minutes 10
+LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --copy-end 0.1 --eval-every 250 --threads 1 --procs 2 --checkpoint-minutes 10 \
+                     --induction-init --span-start 0.5 --span-end 0.1 --copy-warmup 400
 LITTLE_WORK ?= build/little-k3-train
 LITTLE_EXTRA ?=
 little-k3: deps train-deps

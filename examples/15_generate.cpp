@@ -1,6 +1,7 @@
 // Chapter 15 example: a short chat rendered to K3's XTML token ids, then the little K3 (14 M parameters,
 // trained on English and synthetic chat turns) in a conversation: a greedy turn, a second turn that
-// feeds only its new tokens, then one question answered greedily and sampled at T = 0.7 and 1.0.
+// feeds only its new tokens, then one question answered greedily and sampled at T = 0.7 and 1.0, then a
+// list of words it has just read, begun again: does it continue it?
 // Usage: 15_generate [TOKENIZER_DIR]
 #include <cstdio>
 #include <string>
@@ -80,6 +81,31 @@ int main(int argc, char** argv) {
         std::string text;
         const auto reply = chat_turn(model, chat, tok, "Tell me about the city.", 32, sp, [&](const std::string& t) { text += t; });
         std::printf("  T = %.1f (%2zu tokens): %s\n", double(temperature), reply.size(), text.c_str());
+    }
+
+    // Copying. Eight words in no order any text predicts, read once, then begun again: only a layer that
+    // retrieves from the context can go on (in the little K3 that is a KDA layer: its TRAINING.md says
+    // which, and how the training made it; make run-07 builds such a head by hand). Twice: the words apart
+    // by spaces, then by commas.
+    std::printf("\n15.6 copying: a list read once, then begun again (greedy, plain text, continue_session)\n");
+    const std::vector<std::string> words = {"river", "radio", "dinner", "island", "doctor", "engine", "market", "window"};
+    for (const std::string sep : {" ", ", "}) {
+        std::string list;
+        for (std::size_t i = 0; i < words.size(); ++i) list += (i ? sep : "") + words[i];
+        const std::string text = "The words on the card were " + list + ". She read them out again: " + words[0] + sep + words[1] + (sep == " " ? "" : ",");
+        const std::vector<std::uint32_t> enc = tok.encode(text);
+        Session session(model.config, 128);
+        const auto drawn = continue_session(model, session, std::vector<std::int64_t>(enc.begin(), enc.end()), 16, SamplingParams{.temperature = 0}, 64,
+                                            [](std::int64_t) { return true; });
+        const std::string got = tok.decode(std::vector<std::uint32_t>(drawn.begin(), drawn.end()));
+        std::size_t at = 0, right = 0;  // how many of the list's next words follow, in order
+        for (std::size_t i = 2; i < words.size(); ++i) {
+            const std::string w = " " + words[i];
+            if (got.compare(at, w.size(), w) != 0) break;
+            ++right, at += w.size();
+            if (sep != " " && at < got.size() && got[at] == ',') ++at;
+        }
+        std::printf("  prompt: %s\n  K3:    %s\n  the list's next %zu words, in order: %zu\n", text.c_str(), got.c_str(), words.size() - 2, right);
     }
     return 0;
 }

@@ -612,13 +612,13 @@ class LittleK3(torch.nn.Module):
 
 @torch.no_grad()
 def induction_init(model):
-    """--induction-init: start every KDA layer able to copy (fixtures/little-k3/TRAINING.md, "Probes after
-    this run"). Each channel's decay (before its token-dependent part) spread log-uniformly over
-    0.001-1 nats per token, where the default start forgets everything past ten tokens or so; and in the
-    first half of each layer's key channels (heads 0 and 1) a key that is the query of the token before:
-    the convolution takes the previous token, the projection is the query's. Then at a token seen
-    before, q . k is largest at the token after its last occurrence, and the state returns that token's
-    value: an induction memory from step 0. Weights only: the release layout is unchanged."""
+    """--induction-init: start every KDA layer able to copy (fixtures/little-k3/TRAINING.md, "How the
+    copying recipe was found"). Each channel's decay (before its token-dependent part) spread
+    log-uniformly over 0.001-1 nats per token, where the default start forgets everything past ten tokens
+    or so; and in the first half of each layer's key channels (heads 0 and 1) a key that is the query of
+    the token before: the convolution takes the previous token, the projection is the query's. Then at a
+    token seen before, q . k is largest at the token after its last occurrence, and the state returns
+    that token's value: an induction memory from step 0. Weights only: the release layout is unchanged."""
     for layer in model.layers:
         a = layer.self_attn
         if not isinstance(a, KDA):
@@ -864,7 +864,7 @@ class Corpus:
         copy_starts = torch.randint(0, len(self.copy_stream) - seq - 1, (n_copy,), generator=rng)
         rows = [self.stream[s:s + seq + 1].to(torch.int64) for s in starts.tolist()]
         for i in range(len(rows) - n_span, len(rows)):   # (no draws at all when span_share is 0: the
-            rows[i] = self.span_row(rng, rows[i])        # committed model's batches are unchanged)
+            rows[i] = self.span_row(rng, rows[i])        # batches without span rows are drawn as before)
         w = torch.stack(rows + [self.copy_stream[s:s + seq + 1].to(torch.int64) for s in copy_starts.tolist()])
         return w[:, :-1], w[:, 1:]
 
@@ -1352,7 +1352,7 @@ def main(argv=None):
     ap.add_argument("--copy-warmup", type=int, default=0,
                     help="the first N steps train on nothing but random spans written twice (span_pairs)")
     ap.add_argument("--induction-init", action="store_true",
-                    help="start the KDA layers able to copy (induction_init; not the committed model's recipe)")
+                    help="start the KDA layers able to copy (induction_init: an induction memory from step 0)")
     ap.add_argument("--no-finish", action="store_true",
                     help="train and checkpoint only; export and measure later with --finish-only")
     ap.add_argument("--self-check", action="store_true", help="run the self-checks and stop")
