@@ -455,12 +455,13 @@ fixtures:
 # Issue 26's recipe (TRAINING.md, "Training"): 7,500 steps of 16 x 256 tokens (30.7 M tokens), seeded, one
 # thread per process (two lose badly on a loaded machine), bfloat16 products, KDA heads started as an
 # induction memory, 400 steps of pure copying first, then text with the copy stream and span rows, MXFP4 in
-# the loop for the last 750 steps; resumable (--resume continues from LITTLE_WORK/checkpoint.pt), so it can
+# the loop for the last 750 steps, then 100 steps that push down the model's own greedy loops (unlikelihood
+# training); resumable (--resume continues from LITTLE_WORK/checkpoint.pt), so it can
 # run in pieces: `make little-k3 LITTLE_EXTRA=--no-finish` trains and stops, a later `make little-k3`
 # exports into fixtures/little-k3 and measures. Needs make little-data first; then make fixtures (or the
 # reference step alone) for its reference outputs. `make little-k3-measure` measures the committed model.
 LITTLE_TRAIN_ARGS ?= --steps 7500 --qat-steps 750 --batch 16 --micro-batch 8 --seq 256 --lr 2e-3 --copy-end 0.1 --eval-every 250 --threads 1 --procs 2 --checkpoint-minutes 10 \
-                     --induction-init --span-start 0.5 --span-end 0.1 --copy-warmup 400
+                     --induction-init --span-start 0.5 --span-end 0.1 --copy-warmup 400 --unlikelihood-steps 100
 LITTLE_WORK ?= build/little-k3-train
 LITTLE_EXTRA ?=
 little-k3: deps train-deps

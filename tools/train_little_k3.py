@@ -1191,6 +1191,10 @@ def self_check():
     if not torch.equal(mine, theirs):
         raise SystemExit("self-check failed: mxfp4_round differs from tools/mxfp4.py")
     print("self-check: MXFP4 rounding equals tools/mxfp4.py (ties included)")
+    # the loop mask of --unlikelihood-steps: prompt 1 2 3 4 5, then 1 2 3 4 again and a 4-gram (3 4 9 3) once
+    got = repeat_mask([1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 3, 4, 9, 3], 5).tolist()
+    if got != [0.0] * 5 + [1.0] * 4 + [0.0] + [1.0] * 4:
+        raise SystemExit(f"self-check failed: repeat_mask marks {got}")
 
 
 # ================================================================================================
@@ -1231,7 +1235,7 @@ class DataParallel:
         import signal
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
-    def sum_step(self, model, loss, loads):
+    def sum_step(self, model, losses, loads):
         # a parameter no process gave a gradient keeps none (AdamW then skips it, as in one process)
         present = torch.tensor([float(p.grad is not None) for p in model.parameters()])
         self.dist.all_reduce(present)
@@ -1245,13 +1249,13 @@ class DataParallel:
         for p in params:
             p.grad.copy_(flat[at:at + p.numel()].view_as(p))
             at += p.numel()
-        extra = torch.cat([torch.tensor([loss], dtype=torch.float64)] + [l.to(torch.float64).reshape(-1) for l in loads])
+        extra = torch.cat([torch.tensor(list(losses), dtype=torch.float64)] + [l.to(torch.float64).reshape(-1) for l in loads])
         self.dist.all_reduce(extra)
-        out, at = [], 1
+        out, at = [], len(losses)
         for l in loads:
             out.append(extra[at:at + l.numel()].to(l.dtype).view_as(l))
             at += l.numel()
-        return float(extra[0]), out
+        return tuple(float(v) for v in extra[:len(losses)]), out
 
     def close(self):
         self.dist.destroy_process_group()
@@ -1264,6 +1268,54 @@ def lr_at(step, steps, peak, warmup):
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# --unlikelihood-steps: each step's prompts, their greedy continuation, and the n-gram that counts as a loop
+UL_PROMPTS, UL_PROMPT_LEN, UL_CONTINUE, UL_NGRAM = 16, 16, 48, 4
+
+
+def paragraph_starts(corpus):
+    """Positions in the training stream just after a newline or [EOS] (the prompts of unlikelihood_part;
+    kept on the corpus object, not in its cache)."""
+    if getattr(corpus, "paragraph_start", None) is None:
+        ends = [i for i, b in token_bytes(corpus.model_dir).items() if b.endswith(b"\n")] + [SPECIAL["[EOS]"]]
+        s = corpus.stream[:-UL_PROMPT_LEN - 1].to(torch.int64)
+        corpus.paragraph_start = torch.nonzero(torch.isin(s, torch.tensor(ends))).flatten() + 1
+    return corpus.paragraph_start
+
+
+def repeat_mask(row, start, n=UL_NGRAM):
+    """1.0 at the tokens of `row` from `start` on that belong to an n-gram seen earlier in the row."""
+    m = torch.zeros(len(row))
+    seen = set()
+    for i in range(len(row) - n + 1):
+        g = tuple(row[i:i + n])
+        if g in seen and i + n > start:
+            m[max(i, start):i + n] = 1.0
+        seen.add(g)
+    return m
+
+
+def unlikelihood_part(model, corpus, rng, procs=1, rank=0):
+    """Sequence-level unlikelihood training (Welleck et al. 2019, "Neural Text Generation with Unlikelihood
+    Training", arXiv:1908.04319), the --unlikelihood-steps after the main run. The model continues
+    UL_PROMPTS training-paragraph starts greedily for UL_CONTINUE tokens; every continuation token that
+    belongs to a 4-gram seen earlier in its row is a token of a loop, and the loss -log(1 - p(token)) at
+    each of them pushes its probability down, where it was chosen. Tokens that are not part of a repeat
+    add nothing, and the step's ordinary batch (the mix of the run's end, span rows included) holds on to
+    the text and the copying learned; what the steps cost in both, fixtures/little-k3/TRAINING.md measures.
+    Adds its gradient; returns its loss (this process's share; the shares sum to the step's)."""
+    starts = paragraph_starts(corpus)
+    pick = starts[torch.randint(0, len(starts), (UL_PROMPTS,), generator=rng)].tolist()   # drawn alike by all
+    prompts = [corpus.stream[p:p + UL_PROMPT_LEN].tolist() for p in pick][rank::procs]
+    rows = torch.tensor([p + c for p, c in zip(prompts, greedy_batch(model, prompts, UL_CONTINUE))])
+    mask = torch.stack([repeat_mask(r.tolist(), UL_PROMPT_LEN) for r in rows])[:, 1:]
+    if not bool(mask.any()):
+        return 0.0
+    logp = F.log_softmax(model(rows[:, :-1]), -1).gather(-1, rows[:, 1:, None])[..., 0]
+    loss = -(torch.log(torch.clamp(1 - logp.exp(), min=1e-5)) * mask).sum() / (UL_PROMPTS * UL_CONTINUE)
+    loss.backward()
+    return float(loss)
 
 
 def svg_curves(path, train_points, eval_points, title):
@@ -1309,7 +1361,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
 
 RUN_ARGS = ("steps", "qat_steps", "batch", "seq", "lr", "bias_speed", "threads", "procs", "micro_batch",
             "copy_curriculum", "copy_start", "copy_end", "induction_init", "span_start", "span_end",
-            "copy_warmup")
+            "copy_warmup", "unlikelihood_steps")
 HOW_ARGS = ("threads", "procs", "micro_batch")   # recorded, but a resume may change them: the same steps
 
 
@@ -1351,6 +1403,9 @@ def main(argv=None):
                     help="the span rows' share from mid-run on (it falls linearly from --span-start until then)")
     ap.add_argument("--copy-warmup", type=int, default=0,
                     help="the first N steps train on nothing but random spans written twice (span_pairs)")
+    ap.add_argument("--unlikelihood-steps", type=int, default=0,
+                    help="after --steps, N more steps at the final learning rate that also push down the tokens of "
+                         "the model's own greedy loops (unlikelihood_part)")
     ap.add_argument("--induction-init", action="store_true",
                     help="start the KDA layers able to copy (induction_init: an induction memory from step 0)")
     ap.add_argument("--no-finish", action="store_true",
@@ -1424,7 +1479,8 @@ def main(argv=None):
                              + ", ".join(f"--{k.replace('_', '-')} {a} (given {b})" for k, (a, b) in changed.items()))
     if args.rank == 0:
         print(f"little K3: {n_params / 1e6:.2f} M parameters; stream {len(corpus.stream)} tokens; "
-              f"{args.steps} steps of {args.batch} x {args.seq}; matrix products in "
+              f"{args.steps} steps{f' + {args.unlikelihood_steps} unlikelihood steps' if args.unlikelihood_steps else ''} "
+              f"of {args.batch} x {args.seq}; matrix products in "
               f"{'bfloat16 (AVX512-BF16)' if BF16_PRODUCTS else 'float32 (this CPU has no AVX512-BF16)'}; "
               f"{args.procs} process{'es' if args.procs > 1 else ''} of {args.threads} thread{'s' if args.threads > 1 else ''}", flush=True)
     tokens_per_step = args.batch * args.seq
@@ -1438,7 +1494,8 @@ def main(argv=None):
         os.replace(ckpt + ".tmp", ckpt)
 
     t_start = time.time() - state["seconds"]
-    while state["step"] < args.steps and not args.finish_only:
+    total_steps = args.steps + args.unlikelihood_steps
+    while state["step"] < total_steps and not args.finish_only:
         step = state["step"]
         qat = step >= args.steps - args.qat_steps
         if qat and step == args.steps - args.qat_steps and not os.path.exists(ckpt_preqat):
@@ -1452,7 +1509,7 @@ def main(argv=None):
                             copy_share_at(step, args.steps, args.span_start, args.span_end), step < args.copy_warmup)
         t0, c0 = time.time(), time.process_time()
         opt.zero_grad(set_to_none=True)
-        loss, loads = 0.0, None
+        loss, loads, ul = 0.0, None, 0.0
         with low_precision(True):
             # micro-batches of --micro-batch rows, gradients summed: the same step in less memory
             # with --procs P, process r takes micro-batches r, r + P, ... (the batch is drawn alike by all)
@@ -1465,8 +1522,10 @@ def main(argv=None):
                 loss += float(part)
                 step_loads = [m.load for m in model.moe_layers()]
                 loads = step_loads if loads is None else [a + b for a, b in zip(loads, step_loads)]
+            if step >= args.steps:                       # after the main steps: the loops pushed down
+                ul = unlikelihood_part(model, corpus, data_rng, args.procs, args.rank)
         if dp:
-            loss, loads = dp.sum_step(model, loss, loads)
+            (loss, ul), loads = dp.sum_step(model, (loss, ul), loads)
         for m, l in zip(model.moe_layers(), loads):
             m.load = l                                   # the bias update sees the whole batch's load
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1495,12 +1554,13 @@ def main(argv=None):
         if state["step"] % 50 == 0:
             loads = [m.load.float() for m in model.moe_layers()]
             imbalance = max(float(l.max() / l.mean()) for l in loads)
-            line = (f"step {state['step']}/{args.steps} {'QAT ' if qat else ''}loss {loss:.3f} "
+            line = (f"step {state['step']}/{total_steps} {'QAT ' if qat else ''}loss {loss:.3f} "
+                    + (f"unlikelihood {ul:.4f} " if step >= args.steps else "") +
                     f"(~{smooth:.3f} bits/byte) lr {opt.param_groups[0]['lr']:.2e} {tokens_per_step / dt:.0f} tok/s "
                     f"max/mean expert load {imbalance:.2f} elapsed {state['seconds'] / 60:.1f} min")
             print(line, flush=True)
             state["log"].append(line)
-        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+        if state["step"] % args.eval_every == 0 or state["step"] in (args.steps, total_steps):
             ev = bits_per_byte(model, corpus, args.seq, limit_docs=12)
             cp = copy_accuracy(model, corpus, args.seq, limit_docs=12)
             state["eval_points"].append((state["step"] * tokens_per_step, ev))
@@ -1529,7 +1589,7 @@ def main(argv=None):
                "tokens": state["step"] * ra["batch"] * ra["seq"], "params": n_params, "batch": ra["batch"], "seq": ra["seq"],
                "lr": ra["lr"], "qat_steps": ra["qat_steps"], "threads": ra["threads"], "bias_speed": ra["bias_speed"],
                "procs": ra["procs"], "copy_start": ra["copy_start"], "copy_end": ra["copy_end"],
-               **{k: ra[k] for k in ("induction_init", "span_start", "span_end", "copy_warmup")}}
+               **{k: ra.get(k, 0) for k in ("induction_init", "span_start", "span_end", "copy_warmup", "unlikelihood_steps")}}
     summary_path = os.path.join(args.work, "train_summary.json")
     if args.finish_only and os.path.exists(summary_path):
         summary = json.load(open(summary_path))
