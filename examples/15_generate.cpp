@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     std::printf("15.7 a conversation with the little K3 (greedy, thinking off)\n");
     Chat conversation(model.config, 512);
     conversation.options.thinking = false;
-    for (const char* user : {"Where did she go?", "And then?"}) {
+    for (const char* user : {"Hello!", "What is today's date?"}) {
         std::string text;
         const std::size_t before = conversation.session.position();
         const auto reply = chat_turn(model, conversation, tok, user, 24, SamplingParams{.temperature = 0}, [&](const std::string& t) { text += t; });
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
         chat.options.thinking = false;
         const SamplingParams sp{.temperature = temperature, .top_k = 40, .top_p = 0.95f, .seed = 2026};
         std::string text;
-        const auto reply = chat_turn(model, chat, tok, "Tell me about the city.", 32, sp, [&](const std::string& t) { text += t; });
+        const auto reply = chat_turn(model, chat, tok, "Who are you?", 32, sp, [&](const std::string& t) { text += t; });
         std::printf("  T = %.1f (%2zu tokens): %s\n", double(temperature), reply.size(), text.c_str());
     }
 
