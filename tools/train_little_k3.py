@@ -491,6 +491,7 @@ class MoE(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(d.E, d.Lt, d.F) * d.F ** -0.5)    # down
         self.shared = DenseFFN(d, d.S)
         self.quantize = False        # MXFP4 in the loop (QAT phase)
+        self.frozen = None           # (w13, w2) rounded once, while the weights do not change (greedy_batch)
         self.load = None             # tokens per expert in the last forward (for the bias update)
 
     def forward(self, x, record=None):
@@ -521,8 +522,8 @@ class MoE(torch.nn.Module):
         slot[sorted_ids, rank] = order // d.K
         gathered = torch.cat([z, z.new_zeros(1, d.Lt)])[slot]                     # [E, cap, Lt]
         w13, w2 = torch.cat([self.w1, self.w3], dim=1), self.w2                   # [E, 2F, Lt]: gate | up
-        if self.quantize:
-            w13, w2 = fake_mxfp4(w13), fake_mxfp4(w2)                             # blocks run along Lt / F
+        if self.quantize:                                                         # blocks run along Lt / F
+            w13, w2 = self.frozen if self.frozen is not None else (fake_mxfp4(w13), fake_mxfp4(w2))
         h = situ(*bmm(gathered, w13.transpose(1, 2)).split(d.F, dim=-1), d)       # [E, cap, F]
         pair_weight = torch.zeros(d.E, cap).index_put((sorted_ids, rank), w.reshape(-1)[order])
         out = bmm(h * pair_weight[..., None], w2.transpose(1, 2))                 # [E, cap, Lt], weighted
@@ -1195,6 +1196,10 @@ def self_check():
     got = repeat_mask([1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 3, 4, 9, 3], 5).tolist()
     if got != [0.0] * 5 + [1.0] * 4 + [0.0] + [1.0] * 4:
         raise SystemExit(f"self-check failed: repeat_mask marks {got}")
+    # a reply's mask: the prompt's 1 2 3 4 copied is no loop, 7 8 9 6 twice is, and nothing after the stop 0
+    got = repeat_mask([1, 2, 3, 4, 5, 1, 2, 3, 4, 7, 8, 9, 6, 7, 8, 9, 6, 0, 7, 8, 9, 6], 5, since=5, stop=(0,)).tolist()
+    if got != [0.0] * 13 + [1.0] * 4 + [0.0] * 5:
+        raise SystemExit(f"self-check failed: repeat_mask (reply) marks {got}")
 
 
 # ================================================================================================
@@ -1270,8 +1275,10 @@ def lr_at(step, steps, peak, warmup):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-# --unlikelihood-steps: each step's prompts, their greedy continuation, and the n-gram that counts as a loop
+# --unlikelihood-steps: each step's text prompts (paragraph starts), their greedy continuation, the n-gram
+# that counts as a loop; and its chat prompts (the stream's last tokens before an assistant's reply)
 UL_PROMPTS, UL_PROMPT_LEN, UL_CONTINUE, UL_NGRAM = 16, 16, 48, 4
+UL_CHAT_PROMPTS, UL_CHAT_PROMPT_LEN = 8, 96
 
 
 def paragraph_starts(corpus):
@@ -1284,11 +1291,29 @@ def paragraph_starts(corpus):
     return corpus.paragraph_start
 
 
-def repeat_mask(row, start, n=UL_NGRAM):
-    """1.0 at the tokens of `row` from `start` on that belong to an n-gram seen earlier in the row."""
+def reply_starts(corpus):
+    """Positions in the training stream where an assistant's response text begins (just after
+    <|open|>response<|sep|>), with at least UL_CHAT_PROMPT_LEN tokens before them."""
+    if getattr(corpus, "reply_start", None) is None:
+        tail = corpus.chat_tests[0]["ids"]          # a generation prompt: it ends with <|open|>response<|sep|>
+        tail = tail[len(tail) - 1 - tail[::-1].index(SPECIAL["<|open|>"]):]
+        s = corpus.stream.to(torch.int64)
+        hit = torch.ones(len(s) - len(tail) + 1, dtype=torch.bool)
+        for j, t in enumerate(tail):
+            hit &= s[j:len(s) - len(tail) + 1 + j] == t
+        pos = torch.nonzero(hit).flatten() + len(tail)
+        corpus.reply_start = pos[(pos >= UL_CHAT_PROMPT_LEN) & (pos < len(s) - 1)]
+    return corpus.reply_start
+
+
+def repeat_mask(row, start, n=UL_NGRAM, since=0, stop=()):
+    """1.0 at the tokens of `row` from `start` on that belong to an n-gram seen earlier in the row at or
+    after `since` (0: the whole row, prompt included; start: repeats inside the continuation only),
+    nothing from the first token in `stop` on."""
     m = torch.zeros(len(row))
     seen = set()
-    for i in range(len(row) - n + 1):
+    end = next((i for i in range(start, len(row)) if row[i] in stop), len(row))
+    for i in range(since, end - n + 1):
         g = tuple(row[i:i + n])
         if g in seen and i + n > start:
             m[max(i, start):i + n] = 1.0
@@ -1301,21 +1326,36 @@ def unlikelihood_part(model, corpus, rng, procs=1, rank=0):
     Training", arXiv:1908.04319), the --unlikelihood-steps after the main run. The model continues
     UL_PROMPTS training-paragraph starts greedily for UL_CONTINUE tokens; every continuation token that
     belongs to a 4-gram seen earlier in its row is a token of a loop, and the loss -log(1 - p(token)) at
-    each of them pushes its probability down, where it was chosen. Tokens that are not part of a repeat
-    add nothing, and the step's ordinary batch (the mix of the run's end, span rows included) holds on to
-    the text and the copying learned; what the steps cost in both, fixtures/little-k3/TRAINING.md measures.
-    Adds its gradient; returns its loss (this process's share; the shares sum to the step's)."""
-    starts = paragraph_starts(corpus)
-    pick = starts[torch.randint(0, len(starts), (UL_PROMPTS,), generator=rng)].tolist()   # drawn alike by all
-    prompts = [corpus.stream[p:p + UL_PROMPT_LEN].tolist() for p in pick][rank::procs]
-    rows = torch.tensor([p + c for p, c in zip(prompts, greedy_batch(model, prompts, UL_CONTINUE))])
-    mask = torch.stack([repeat_mask(r.tolist(), UL_PROMPT_LEN) for r in rows])[:, 1:]
-    if not bool(mask.any()):
-        return 0.0
-    logp = F.log_softmax(model(rows[:, :-1]), -1).gather(-1, rows[:, 1:, None])[..., 0]
-    loss = -(torch.log(torch.clamp(1 - logp.exp(), min=1e-5)) * mask).sum() / (UL_PROMPTS * UL_CONTINUE)
-    loss.backward()
-    return float(loss)
+    each of them pushes its probability down, where it was chosen. The same for UL_CHAT_PROMPTS replies:
+    the UL_CHAT_PROMPT_LEN stream tokens before an assistant's response text (the conversation so far)
+    continued until the reply's text ends (its first special token), where only a 4-gram repeated inside
+    the reply counts: a reply that quotes the passage it was given is doing its job. Tokens that are not
+    part of a repeat add nothing, and the step's ordinary batch (the mix of the run's end, span rows
+    included) holds on to the text and the copying learned; what the steps cost in both,
+    fixtures/little-k3/TRAINING.md measures. Adds its gradient; returns its loss (this process's share;
+    the shares sum to the step's)."""
+    specials = tuple(SPECIAL.values())
+    total = 0.0
+    for starts, n, plen, chat in ((paragraph_starts(corpus), UL_PROMPTS, UL_PROMPT_LEN, False),
+                                  (reply_starts(corpus), UL_CHAT_PROMPTS, UL_CHAT_PROMPT_LEN, True)):
+        pick = starts[torch.randint(0, len(starts), (n,), generator=rng)].tolist()   # drawn alike by all
+        if chat:
+            prompts = [corpus.stream[p - plen:p].tolist() for p in pick][rank::procs]
+        else:
+            prompts = [corpus.stream[p:p + plen].tolist() for p in pick][rank::procs]
+        conts = greedy_batch(model, prompts, UL_CONTINUE, specials if chat else ())
+        width = max(len(c) for c in conts)
+        rows = [p + c + [c[-1]] * (width - len(c)) for p, c in zip(prompts, conts)]   # padding: masked out
+        mask = torch.stack([repeat_mask(r, plen, since=plen if chat else 0, stop=specials if chat else ())
+                            for r in rows])[:, 1:]
+        if not bool(mask.any()):
+            continue
+        rows = torch.tensor(rows)
+        logp = F.log_softmax(model(rows[:, :-1]), -1).gather(-1, rows[:, 1:, None])[..., 0]
+        loss = -(torch.log(torch.clamp(1 - logp.exp(), min=1e-5)) * mask).sum() / (n * UL_CONTINUE)
+        loss.backward()
+        total += float(loss)
+    return total
 
 
 def svg_curves(path, train_points, eval_points, title):
@@ -1809,13 +1849,28 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
 
 @torch.no_grad()
 def greedy_batch(model, prompts, steps, stop=()):
-    """Greedy continuations of equal-length prompts, all at once (the whole forward per step)."""
+    """Greedy continuations of equal-length prompts, all at once (the whole forward per step), each cut
+    after its first token in `stop`; done when every row has stopped. The MXFP4 rounding of the experts
+    (in the loop while training) is done once for all the steps, not once per forward: the weights do not
+    change in between, so the tokens are the same, in a third of the time."""
     ids = torch.tensor(prompts)
     out = []
-    for _ in range(steps):
-        nxt = model(ids)[:, -1].argmax(-1)
-        out.append(nxt)
-        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    stopped = torch.zeros(len(prompts), dtype=torch.bool)
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.int64)
+    moes = [m for m in model.moe_layers() if m.quantize]
+    for m in moes:
+        m.frozen = (fake_mxfp4(torch.cat([m.w1, m.w3], dim=1)), fake_mxfp4(m.w2))
+    try:
+        for _ in range(steps):
+            nxt = model(ids)[:, -1].argmax(-1)
+            out.append(nxt)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            stopped |= torch.isin(nxt, stop_ids)
+            if bool(stopped.all()):
+                break
+    finally:
+        for m in moes:
+            m.frozen = None
     rows = torch.stack(out, dim=1).tolist()
     cut = []
     for r in rows:
