@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     std::printf("15.7 a conversation with the little K3 (greedy, thinking off)\n");
     Chat conversation(model.config, 512);
     conversation.options.thinking = false;
-    for (const char* user : {"Hello!", "What is today's date?"}) {
+    for (const char* user : {"Hello!", "What time is it?"}) {
         std::string text;
         const std::size_t before = conversation.session.position();
         const auto reply = chat_turn(model, conversation, tok, user, 24, SamplingParams{.temperature = 0}, [&](const std::string& t) { text += t; });

@@ -206,7 +206,7 @@ TEST_CASE("15.7 a reply shows its text, never the chat format's markup: markup i
     Chat c(m.config, 256);
     c.options.thinking = false;
     std::string text;
-    const std::vector<std::int64_t> reply = chat_turn(m, c, tok, "What is today's date?", 24, {.temperature = 0}, [&](const std::string& t) { text += t; });
+    const std::vector<std::int64_t> reply = chat_turn(m, c, tok, "What time is it?", 24, {.temperature = 0}, [&](const std::string& t) { text += t; });
     const std::uint32_t close = tok.special_id("<|close|>");
     const auto first_markup = std::find(reply.begin(), reply.end(), std::int64_t(close));
     REQUIRE(first_markup != reply.end());  // the reply does close itself (so the check below means something)
