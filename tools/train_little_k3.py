@@ -277,10 +277,12 @@ def mxfp4_round(w):
     return q.reshape(shape)
 
 
-def fake_mxfp4(w):
-    """Straight-through estimator: the forward sees the MXFP4 weight, the gradient reaches w unchanged.
-    (MXFP4 values are exact in bfloat16: a 1-bit mantissa times a power of two.)"""
-    return w + (mxfp4_round(w) - w).detach()
+def straight_through(w, r):
+    """The straight-through estimator of MXFP4 in the loop: the forward sees r = mxfp4_round(w), the
+    gradient reaches w unchanged. (MXFP4 values are exact in bfloat16: a 1-bit mantissa times a power of
+    two.) Its value is r bit for bit: r - w is exact (a nonzero r is within a factor of two of w, so
+    Sterbenz's lemma applies; a zero r gives -w), and so w + (r - w) is r; self_check checks it."""
+    return w + (r - w).detach()
 
 
 class CausalConv(torch.autograd.Function):
@@ -338,7 +340,10 @@ class KDA(torch.nn.Module):
         self.dt_bias = torch.nn.Parameter(torch.linspace(-3.0, 1.0, P))              # head-major
         self.o_norm = torch.nn.Parameter(torch.ones(Dh))
 
-    def forward(self, u, record=None):
+    def forward(self, u, record=None, cache=None):
+        """u [B, T, D] -> [B, T, D]. With `cache` (a dict, empty at the first call: greedy_batch) u holds the
+        tokens after those of the earlier calls: the cache keeps the last W - 1 inputs of the short
+        convolution and the state S, so a call costs its own tokens only."""
         d = self.d
         B, T, _ = u.shape
         H, Dh, P = d.Hk, d.Dh, d.P
@@ -346,7 +351,13 @@ class KDA(torch.nn.Module):
         proj = mm(u, torch.cat([self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj]))
         # (split, not slices: a slice's gradient is a zero tensor of the whole input, one per slice)
         pre, gate, beta, fa = proj.split([3 * P, P, H, Dh], dim=-1)
-        qkv = short_conv(pre, torch.cat([self.q_conv, self.k_conv, self.v_conv]))
+        taps = torch.cat([self.q_conv, self.k_conv, self.v_conv])
+        if cache is not None:                             # the tokens before (zeros before the first)
+            pre = torch.cat([cache.get("conv", pre.new_zeros(B, d.Wc - 1, 3 * P)), pre], dim=1)
+            cache["conv"] = pre[:, -(d.Wc - 1):]
+            qkv = short_conv(pre, taps)[:, d.Wc - 1:]
+        else:
+            qkv = short_conv(pre, taps)
         q, k, v = (t.reshape(B, T, H, Dh) for t in qkv.split(P, dim=-1))
         gate = torch.sigmoid(gate).reshape(B, T, H, Dh)
         beta = torch.sigmoid(beta)                                                     # [B, T, H]
@@ -354,7 +365,13 @@ class KDA(torch.nn.Module):
         g = d.lb * torch.sigmoid(torch.exp(self.A_log)[None, None, :, None] * z)       # log decay in (lb, 0)
         q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5))
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
+        if cache is None:
+            o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
+        else:                                             # one token: the recurrence; more: chunks
+            step = kda_recurrent if T == 1 else lambda *a, **kw: kda_chunked(*a, self.CHUNK, **kw)  # noqa: E731
+            o, cache["S"] = step(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2),
+                                 state=cache.get("S"), return_state=True)
+            o = o.transpose(1, 2)
         o = rms_normalize(o, d.eps) * self.o_norm * gate
         if self.silenced:                                 # copy_ablation only: these heads' outputs zeroed
             o = o.clone()
@@ -362,27 +379,30 @@ class KDA(torch.nn.Module):
         return mm(o.reshape(B, T, d.P), self.o_proj)
 
 
-def kda_recurrent(q, k, v, g, beta):
-    """The token recurrence (docs/kimi-k3.md 3.4.5), [B, H, T, d] in, o [B, H, T, dv] out: the yardstick."""
+def kda_recurrent(q, k, v, g, beta, state=None, return_state=False):
+    """The token recurrence (docs/kimi-k3.md 3.4.5), [B, H, T, d] in, o [B, H, T, dv] out: the yardstick.
+    From the state S [B, H, dk, dv] `state` (zeros if None); with return_state, (o, the state after)."""
     B, H, T, dk = q.shape
-    S = torch.zeros(B, H, dk, v.shape[-1], dtype=q.dtype)
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=q.dtype) if state is None else state
     out = []
     for t in range(T):
         Sb = torch.exp(g[:, :, t])[..., None] * S
         r = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", Sb, k[:, :, t])
         S = Sb + beta[:, :, t, None, None] * k[:, :, t, :, None] * r[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    return torch.stack(out, dim=2)
+    return (torch.stack(out, dim=2), S) if return_state else torch.stack(out, dim=2)
 
 
-def kda_chunked(q, k, v, g, beta, C):
+def kda_chunked(q, k, v, g, beta, C, state=None, return_state=False):
     """The chunked (WY) form of docs/kimi-k3.md 3.4.7: equal to kda_recurrent up to rounding.
     q, k, g [B, H, T, dk], v [B, H, T, dv], beta [B, H, T]; T is padded to a multiple of C with tokens
     that change nothing after them (k = v = 0, no decay, beta = 0). Float32 (or float64) throughout:
     the factors e^G and e^-G span e^-80..e^80, which bfloat16's 8-bit mantissa would not survive.
     Products that do not depend on the state are batched over all chunks at once (two products for
     q.k and k.k, one for (I + M)^-1 applied to [k | v]); the loop over chunks keeps only the two
-    products that carry the state, and the outputs come from one product after it."""
+    products that carry the state, and the outputs come from one product after it. From the state
+    `state` [B, H, dk, dv] (zeros if None); with return_state, (o, the state after the last token): the
+    padding tokens leave it as it was."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     pad = (-T) % C
@@ -411,7 +431,7 @@ def kda_chunked(q, k, v, g, beta, C):
     # unbind once: slicing chunk n out of each tensor inside the loop would make autograd allocate a
     # full-size zero gradient per slice (quadratic in the chunk count)
     U, Wm, decay_to_end, chunk_decay = (t.unbind(2) for t in (U, Wm, decay_to_end, chunk_decay))
-    S = None
+    S = state
     states, values = [], []
     for n in range(N):
         Vn = U[n] if S is None else U[n] - Wm[n] @ S       # beta_j r_j for every token of the chunk
@@ -420,7 +440,8 @@ def kda_chunked(q, k, v, g, beta, C):
         S = decay_to_end[n] @ Vn if S is None else chunk_decay[n] * S + decay_to_end[n] @ Vn
     # o = q e^G S_before + A V, for every chunk in one product
     o = torch.cat([qp, A], dim=-1) @ torch.cat([torch.stack(states, dim=2), torch.stack(values, dim=2)], dim=-2)
-    return o.reshape(B, H, N * C, dv)[:, :, :T]
+    o = o.reshape(B, H, N * C, dv)[:, :, :T]
+    return (o, S) if return_state else o
 
 
 class MLA(torch.nn.Module):
@@ -441,7 +462,9 @@ class MLA(torch.nn.Module):
         self.g_proj = lin(d.H * d.Dv, d.D)
         self.o_proj = torch.nn.Parameter(torch.randn(d.D, d.H * d.Dv) * (d.H * d.Dv) ** -0.5 / math.sqrt(2 * d.L))
 
-    def forward(self, u, record=None):
+    def forward(self, u, record=None, cache=None):
+        """u [B, T, D] -> [B, T, D]; with `cache` (as KDA's) the keys and values of the earlier calls' tokens
+        are kept and the new tokens attend to them too."""
         d = self.d
         B, T, _ = u.shape
         proj = mm(u, torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj]))   # q_a | kv_a | gate
@@ -451,8 +474,13 @@ class MLA(torch.nn.Module):
         kv = mm(c, self.kv_b_proj).reshape(B, T, d.H, d.N + d.Dv)
         k_nope, value = kv.split([d.N, d.Dv], dim=-1)
         key = torch.cat([k_nope, kx[:, :, None, :].expand(B, T, d.H, d.X)], dim=-1)
+        if cache is not None:
+            if "key" in cache:
+                key, value = torch.cat([cache["key"], key], dim=1), torch.cat([cache["value"], value], dim=1)
+            cache["key"], cache["value"] = key, value
+        S = key.shape[1]
         scores = bmm(q.transpose(1, 2), key.permute(0, 2, 3, 1)) * (d.N + d.X) ** -0.5    # [B, H, T, S]
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         if record is not None:
             record["mla_probs"] = probs.detach()
@@ -491,8 +519,18 @@ class MoE(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(d.E, d.Lt, d.F) * d.F ** -0.5)    # down
         self.shared = DenseFFN(d, d.S)
         self.quantize = False        # MXFP4 in the loop (QAT phase)
-        self.frozen = None           # (w13, w2) rounded once, while the weights do not change (greedy_batch)
+        self.rounded = None          # (the weights' versions, w13 and w2 rounded to MXFP4): rounded_experts
         self.load = None             # tokens per expert in the last forward (for the bias update)
+
+    @torch.no_grad()
+    def rounded_experts(self):
+        """The experts rounded to MXFP4, [E, 2F, Lt] gate | up and [E, Lt, F], computed again only when a
+        weight has changed since (the optimizer's step, a loaded state: every in-place change bumps a
+        tensor's version): a training step's forwards, and greedy decoding's, round them once."""
+        key = (self.w1._version, self.w3._version, self.w2._version)
+        if self.rounded is None or self.rounded[0] != key:
+            self.rounded = (key, mxfp4_round(torch.cat([self.w1, self.w3], dim=1)), mxfp4_round(self.w2))
+        return self.rounded[1:]
 
     def forward(self, x, record=None):
         d = self.d
@@ -523,7 +561,8 @@ class MoE(torch.nn.Module):
         gathered = torch.cat([z, z.new_zeros(1, d.Lt)])[slot]                     # [E, cap, Lt]
         w13, w2 = torch.cat([self.w1, self.w3], dim=1), self.w2                   # [E, 2F, Lt]: gate | up
         if self.quantize:                                                         # blocks run along Lt / F
-            w13, w2 = self.frozen if self.frozen is not None else (fake_mxfp4(w13), fake_mxfp4(w2))
+            r13, r2 = self.rounded_experts()
+            w13, w2 = (straight_through(w13, r13), straight_through(w2, r2)) if torch.is_grad_enabled() else (r13, r2)
         h = situ(*bmm(gathered, w13.transpose(1, 2)).split(d.F, dim=-1), d)       # [E, cap, F]
         pair_weight = torch.zeros(d.E, cap).index_put((sorted_ids, rank), w.reshape(-1)[order])
         out = bmm(h * pair_weight[..., None], w2.transpose(1, 2))                 # [E, cap, Lt], weighted
@@ -581,8 +620,10 @@ class LittleK3(torch.nn.Module):
         self.output_attn_res_proj = torch.nn.Parameter(torch.zeros(1, d.D))
         self.lm_head = torch.nn.Parameter(torch.randn(d.V, d.D) * d.D ** -0.5)
 
-    def forward(self, ids, record=None):
-        """ids [B, T] -> logits [B, T, V]: Moonshot's AttnRes procedure, as tools/k3_reference.py."""
+    def forward(self, ids, record=None, cache=None):
+        """ids [B, T] -> logits [B, T, V]: Moonshot's AttnRes procedure, as tools/k3_reference.py. With
+        `cache` (a list of one empty dict per layer at the first call) ids are the tokens after those of the
+        earlier calls, and the attention layers keep what those need (greedy_batch)."""
         d = self.d
         h = Candidate(self.embed_tokens[ids], d.eps)
         bank = []
@@ -596,7 +637,7 @@ class LittleK3(torch.nn.Module):
             if l % d.block == 0:
                 bank = bank + [partial]
                 partial = None
-            a = layer.self_attn(rms_normalize(x, d.eps) * layer.input_layernorm, rec)
+            a = layer.self_attn(rms_normalize(x, d.eps) * layer.input_layernorm, rec, None if cache is None else cache[l])
             partial = Candidate(a if partial is None else partial.v + a, d.eps)
             x, _ = attn_res_mix(bank + [partial], layer.mlp_res_norm, layer.mlp_res_proj)
             u = rms_normalize(x, d.eps) * layer.post_attention_layernorm
@@ -1171,6 +1212,19 @@ def self_check():
         print(f"self-check: chunked KDA gradients vs the recurrence's, {dtype}: max rel error {err:.2e}")
         if not err < tol:
             raise SystemExit(f"self-check failed: chunked KDA gradients disagree with the recurrence ({err:.2e} >= {tol})")
+    # greedy decoding's cached forward (a prompt, then one token at a time) against the whole forward, on a
+    # small random model with every kind of layer
+    torch.manual_seed(2)
+    small = LittleK3(Dims(TEXT_CONFIG))
+    ids = torch.randint(0, VOCAB, (2, 21), generator=g)
+    with torch.no_grad():
+        whole = small(ids)
+        cache = [{} for _ in small.layers]
+        parts = [small(ids[:, :17], cache=cache)] + [small(ids[:, t:t + 1], cache=cache) for t in range(17, 21)]
+    err = float((torch.cat(parts, dim=1) - whole).abs().max() / whole.abs().max())
+    print(f"self-check: cached forward (17 tokens, then 1 at a time) vs the whole forward: max rel error {err:.2e}")
+    if not err < 1e-5:
+        raise SystemExit(f"self-check failed: the cached forward disagrees with the whole forward ({err:.2e})")
     # the short convolution against torch's conv1d (the definition), values and gradients
     x = torch.randn(2, 11, 6, generator=g, dtype=torch.float64, requires_grad=True)
     taps = torch.randn(6, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -1187,11 +1241,13 @@ def self_check():
     w = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (64, 1), generator=g).float())
     w[0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)   # every tie, exactly
     w[1] = 0.0
-    mine = mxfp4_round(w).double()
+    r = mxfp4_round(w)
     theirs = mxfp4.dequantize(*mxfp4.quantize(w.double()))
-    if not torch.equal(mine, theirs):
+    if not torch.equal(r.double(), theirs):
         raise SystemExit("self-check failed: mxfp4_round differs from tools/mxfp4.py")
-    print("self-check: MXFP4 rounding equals tools/mxfp4.py (ties included)")
+    if not torch.equal(straight_through(w, r), r):
+        raise SystemExit("self-check failed: the straight-through weight's value is not the rounded weight")
+    print("self-check: MXFP4 rounding equals tools/mxfp4.py (ties included); the straight-through value is it")
     # the loop mask of --unlikelihood-steps: prompt 1 2 3 4 5, then 1 2 3 4 again and a 4-gram (3 4 9 3) once
     got = repeat_mask([1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 3, 4, 9, 3], 5).tolist()
     if got != [0.0] * 5 + [1.0] * 4 + [0.0] + [1.0] * 4:
@@ -1343,7 +1399,9 @@ def unlikelihood_part(model, corpus, rng, procs=1, rank=0):
             prompts = [corpus.stream[p - plen:p].tolist() for p in pick][rank::procs]
         else:
             prompts = [corpus.stream[p:p + plen].tolist() for p in pick][rank::procs]
-        conts = greedy_batch(model, prompts, UL_CONTINUE, specials if chat else ())
+        if not prompts:                                   # more processes than prompts: none for this one
+            continue
+        conts = greedy_batch(model, prompts, UL_CONTINUE, specials if chat else (), cached=False)
         width = max(len(c) for c in conts)
         rows = [p + c + [c[-1]] * (width - len(c)) for p, c in zip(prompts, conts)]   # padding: masked out
         mask = torch.stack([repeat_mask(r, plen, since=plen if chat else 0, stop=specials if chat else ())
@@ -1457,6 +1515,10 @@ def main(argv=None):
     ap.add_argument("--measure", default=None, metavar="MODEL_DIR",
                     help="measure an exported model (bits per byte, copy accuracy, loops, router, chat) and stop")
     args = ap.parse_args(argv)
+    micro_batches = -(-args.batch // args.micro_batch)
+    if args.procs < 1 or args.procs > micro_batches:
+        ap.error(f"--procs {args.procs}: each process takes whole micro-batches, and a batch of {args.batch} in "
+                 f"micro-batches of {args.micro_batch} has {micro_batches}: give 1 to {micro_batches}")
 
     torch.set_num_threads(args.threads)
     if args.rank == 0:
@@ -1670,15 +1732,7 @@ def router_stats(model, corpus, seq, limit_docs=40):
 
 @torch.no_grad()
 def greedy_continue(model, ids, steps):
-    ids = list(ids)
-    out = []
-    for _ in range(steps):
-        nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
-        out.append(nxt)
-        ids.append(nxt)
-        if nxt in (SPECIAL["[EOS]"], SPECIAL["<|end_of_msg|>"]):
-            break
-    return out
+    return greedy_batch(model, [list(ids)], steps, (SPECIAL["[EOS]"], SPECIAL["<|end_of_msg|>"]))[0]
 
 
 def decode_ids(model_dir, ids):
@@ -1848,29 +1902,29 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts, steps, stop=()):
-    """Greedy continuations of equal-length prompts, all at once (the whole forward per step), each cut
-    after its first token in `stop`; done when every row has stopped. The MXFP4 rounding of the experts
-    (in the loop while training) is done once for all the steps, not once per forward: the weights do not
-    change in between, so the tokens are the same, in a third of the time."""
+def greedy_batch(model, prompts, steps, stop=(), cached=True):
+    """Greedy continuations of equal-length prompts, all at once, each cut after its first token in
+    `stop`; done when every row has stopped. The prompts run as one forward that fills a cache (KDA's
+    state and convolution inputs, MLA's keys and values: LittleK3.forward), then each new token is one
+    token's forward; self_check holds this to the whole forward. With cached=False every token is a
+    whole forward of the row so far, as the steps against loops of the committed model decoded (in
+    training's bfloat16 products the two orders of work round differently, and 3 of 16 continuations
+    parted in a test: a run with the cache would be another model). (The experts' MXFP4 rounding, in
+    the loop while training, is done once for all of it: MoE.rounded_experts.)"""
+    if not prompts:
+        return []
     ids = torch.tensor(prompts)
     out = []
     stopped = torch.zeros(len(prompts), dtype=torch.bool)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.int64)
-    moes = [m for m in model.moe_layers() if m.quantize]
-    for m in moes:
-        m.frozen = (fake_mxfp4(torch.cat([m.w1, m.w3], dim=1)), fake_mxfp4(m.w2))
-    try:
-        for _ in range(steps):
-            nxt = model(ids)[:, -1].argmax(-1)
-            out.append(nxt)
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-            stopped |= torch.isin(nxt, stop_ids)
-            if bool(stopped.all()):
-                break
-    finally:
-        for m in moes:
-            m.frozen = None
+    cache = [{} for _ in model.layers] if cached else None
+    for _ in range(steps):
+        nxt = model(ids, cache=cache)[:, -1].argmax(-1)
+        out.append(nxt)
+        ids = nxt[:, None] if cached else torch.cat([ids, nxt[:, None]], dim=1)
+        stopped |= torch.isin(nxt, stop_ids)
+        if bool(stopped.all()):
+            break
     rows = torch.stack(out, dim=1).tolist()
     cut = []
     for r in rows:
