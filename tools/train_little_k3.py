@@ -365,13 +365,14 @@ class KDA(torch.nn.Module):
         g = d.lb * torch.sigmoid(torch.exp(self.A_log)[None, None, :, None] * z)       # log decay in (lb, 0)
         q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (Dh ** -0.5))
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        heads = [t.transpose(1, 2) for t in (q, k, v, g)] + [beta.transpose(1, 2)]   # [B, H, T, ...]
         if cache is None:
-            o = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2), self.CHUNK).transpose(1, 2)
-        else:                                             # one token: the recurrence; more: chunks
-            step = kda_recurrent if T == 1 else lambda *a, **kw: kda_chunked(*a, self.CHUNK, **kw)  # noqa: E731
-            o, cache["S"] = step(*(t.transpose(1, 2) for t in (q, k, v, g)), beta.transpose(1, 2),
-                                 state=cache.get("S"), return_state=True)
-            o = o.transpose(1, 2)
+            o = kda_chunked(*heads, self.CHUNK)
+        elif T == 1:                                      # one token: the recurrence; more: chunks
+            o, cache["S"] = kda_recurrent(*heads, state=cache.get("S"), return_state=True)
+        else:
+            o, cache["S"] = kda_chunked(*heads, self.CHUNK, state=cache.get("S"), return_state=True)
+        o = o.transpose(1, 2)
         o = rms_normalize(o, d.eps) * self.o_norm * gate
         if self.silenced:                                 # copy_ablation only: these heads' outputs zeroed
             o = o.clone()
