@@ -1386,7 +1386,10 @@ def unlikelihood_part(model, corpus, rng, procs=1, rank=0):
     each of them pushes its probability down, where it was chosen. The same for UL_CHAT_PROMPTS replies:
     the UL_CHAT_PROMPT_LEN stream tokens before an assistant's response text (the conversation so far)
     continued until the reply's text ends (its first special token), where only a 4-gram repeated inside
-    the reply counts: a reply that quotes the passage it was given is doing its job. Tokens that are not
+    the reply counts: a reply that quotes the passage it was given is doing its job. A text continuation
+    ends at its first special token too: a paragraph inside a chat conversation runs into the next turn,
+    where the closing tokens said once more are a repeated 4-gram, and pushing them down taught replies
+    not to end. Both decode with the cache (greedy_batch). Tokens that are not
     part of a repeat add nothing, and the step's ordinary batch (the mix of the run's end, span rows
     included) holds on to the text and the copying learned; what the steps cost in both,
     fixtures/little-k3/TRAINING.md measures. Adds its gradient; returns its loss (this process's share;
@@ -1402,10 +1405,10 @@ def unlikelihood_part(model, corpus, rng, procs=1, rank=0):
             prompts = [corpus.stream[p:p + plen].tolist() for p in pick][rank::procs]
         if not prompts:                                   # more processes than prompts: none for this one
             continue
-        conts = greedy_batch(model, prompts, UL_CONTINUE, specials if chat else (), cached=False)
+        conts = greedy_batch(model, prompts, UL_CONTINUE, specials)
         width = max(len(c) for c in conts)
         rows = [p + c + [c[-1]] * (width - len(c)) for p, c in zip(prompts, conts)]   # padding: masked out
-        mask = torch.stack([repeat_mask(r, plen, since=plen if chat else 0, stop=specials if chat else ())
+        mask = torch.stack([repeat_mask(r, plen, since=plen if chat else 0, stop=specials)
                             for r in rows])[:, 1:]
         if not bool(mask.any()):
             continue
@@ -1903,26 +1906,25 @@ def copy_accuracy(model, corpus, seq, limit_docs=None, batch=16):
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts, steps, stop=(), cached=True):
+def greedy_batch(model, prompts, steps, stop=()):
     """Greedy continuations of equal-length prompts, all at once, each cut after its first token in
     `stop`; done when every row has stopped. The prompts run as one forward that fills a cache (KDA's
     state and convolution inputs, MLA's keys and values: LittleK3.forward), then each new token is one
-    token's forward; self_check holds this to the whole forward. With cached=False every token is a
-    whole forward of the row so far, as the steps against loops of the committed model decoded (in
-    training's bfloat16 products the two orders of work round differently, and 3 of 16 continuations
-    parted in a test: a run with the cache would be another model). (The experts' MXFP4 rounding, in
-    the loop while training, is done once for all of it: MoE.rounded_experts.)"""
+    token's forward; self_check holds this to the whole forward (in training's bfloat16 products the two
+    orders of work round a little differently, so a continuation can part from the whole forward's).
+    (The experts' MXFP4 rounding, in the loop while training, is done once for all of it:
+    MoE.rounded_experts.)"""
     if not prompts:
         return []
     ids = torch.tensor(prompts)
     out = []
     stopped = torch.zeros(len(prompts), dtype=torch.bool)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.int64)
-    cache = [{} for _ in model.layers] if cached else None
+    cache = [{} for _ in model.layers]
     for _ in range(steps):
         nxt = model(ids, cache=cache)[:, -1].argmax(-1)
         out.append(nxt)
-        ids = nxt[:, None] if cached else torch.cat([ids, nxt[:, None]], dim=1)
+        ids = nxt[:, None]
         stopped |= torch.isin(nxt, stop_ids)
         if bool(stopped.all()):
             break
