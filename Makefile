@@ -426,7 +426,7 @@ bench-speculate-k3: deps $(BUILD)/kimik3-bench-speculate
 # The little K3's reference ids: the start of a held-out Brown document and 32 tokens of another (tokenized
 # by kimik3 tokenize). The model itself is retrained only by make little-k3 (hours: TRAINING.md).
 LITTLE_PROMPT := 65,3808,401,362,704,1111,471,325,260,623,1940,762
-LITTLE_TF     := 72,315,478,548,1399,308,391,2356,1125,44,260,364,454,103,1609,999,418,1404,111,714,260,1895,353,2321,1105,583,595,295,46,750,478,492
+LITTLE_TF     := 516,1852,280,348,3068,666,290,538,3564,384,1556,46,750,2506,279,3390,332,282,260,391,339,640,1884,285,690,781,723,373,787,385,285,270
 VARIANTS     := top1 no-renormalize kda-heads alog-pad odd-widths dtypes
 UNICODE_NPM  := /tmp/kimik3-unicode
 TIKTOKEN_NPM := /tmp/kimik3-tiktoken
